@@ -1,0 +1,56 @@
+"""The ``kvevents`` command: ``tail``, ``serve`` and ``demo``.
+
+Arguments are parsed and validated here, at the edge; each subcommand hands typed
+values to the module that does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_tail(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tail", help="print decoded events from a publisher endpoint")
+    p.add_argument("--endpoint", required=True, help="live endpoint, e.g. tcp://HOST:5557")
+    p.add_argument("--replay", default=None, help="replay endpoint, e.g. tcp://HOST:5558")
+    p.add_argument("--topic", default="", help="topic to subscribe to (default: all)")
+    p.add_argument("--from-start", action="store_true",
+                   help="on first contact, replay the publisher's buffer from seq 0")
+    p.add_argument("--bind", action="store_true",
+                   help="bind the endpoint (publishers connect to us)")
+    p.add_argument("--max-batches", type=int, default=None, help="exit after N batches")
+    p.add_argument("--duration", type=float, default=None, help="exit after S seconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvevents", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_tail(sub)
+    sub.add_parser("demo", help="run the end-to-end demo on this machine")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "tail":
+        from kvevents.tail import run_tail
+
+        try:
+            return run_tail(
+                args.endpoint, args.replay, args.topic, from_start=args.from_start,
+                bind=args.bind, max_batches=args.max_batches, duration=args.duration,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.command == "demo":
+        from kvevents.demo import run_demo
+
+        return run_demo()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

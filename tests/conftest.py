@@ -1,0 +1,84 @@
+"""Shared test helpers: free loopback ports, deadline waits, a lossy ZeroMQ hop."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import pytest
+import zmq
+
+from kvevents.transport import unpack_seq
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    """Poll ``pred`` until true or the deadline; returns the last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
+class LossyForwarder:
+    """A real network hop that drops chosen live messages: SUB from ``upstream``,
+    re-publish on a bound PUB at ``endpoint``, skipping seqs in ``drop``.
+
+    Stands in for what loses frames in production (HWM overflow, a reconnect) while
+    replay goes straight to the publisher's ROUTER.
+    """
+
+    def __init__(self, upstream: str, drop: Iterable[int] = ()) -> None:
+        self.port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.drop = set(drop)
+        self.forwarded = 0
+        self.dropped = 0
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._upstream = upstream
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._ready.wait(5)
+
+    def _run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self._upstream)
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"tcp://127.0.0.1:{self.port}")
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sub.poll(20):
+                    continue
+                frames = sub.recv_multipart()
+                if unpack_seq(frames[1]) in self.drop:
+                    self.dropped += 1
+                    continue
+                pub.send_multipart(frames)
+                self.forwarded += 1
+        finally:
+            sub.close(0)
+            pub.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+@pytest.fixture
+def ports() -> Callable[[], int]:
+    return free_port
