@@ -24,11 +24,29 @@ def _add_tail(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=None, help="exit after S seconds")
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="run the aggregator (HTTP API, metrics, live page)",
+        description="Follow KV event publishers and serve the prefix index over HTTP. "
+                    "Settings also come from KVEVENTS_* environment variables and --config.",
+    )
+    p.add_argument("--endpoint", action="append", default=None, metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
+                   help="a publisher to follow (repeatable); options: replay=, model=, topic=, bind=1")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    p.add_argument("--auth-token", default=None,
+                   help="bearer token required on mutating endpoints (or KVEVENTS_AUTH_TOKEN)")
+    p.add_argument("--stale-after", type=float, default=None, dest="stale_after_s",
+                   help="seconds of silence after which a pod is 'stale' (default 30)")
+    p.add_argument("--config", default=None, help="JSON or TOML file with the same settings")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvevents", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tail(sub)
+    _add_serve(sub)
     sub.add_parser("demo", help="run the end-to-end demo on this machine")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -45,6 +63,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         except ValueError as exc:
             parser.error(str(exc))
+    if args.command == "serve":
+        from kvevents.serve import run_server
+        from kvevents.settings import PodSpec, load_settings
+
+        try:
+            pods = tuple(PodSpec.parse(e) for e in args.endpoint) if args.endpoint else None
+            settings = load_settings(
+                args.config, pods=pods, host=args.host, port=args.port,
+                auth_token=args.auth_token, stale_after_s=args.stale_after_s,
+            )
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
+        return run_server(settings)
     if args.command == "demo":
         from kvevents.demo import run_demo
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvevents.schema import BatchDecoder, KVEventBatch, PayloadError, peek_batch_ts
 from kvevents.transport import END_SEQ, pack_seq, unpack_seq, validate_endpoint
@@ -117,6 +118,7 @@ class SourceStats:
     last_seq: int | None = None
     last_batch_ts: float | None = None  # publisher timestamp of the last batch
     last_received: float | None = None  # time.time() of the last message
+    connected: int = 0  # live-socket peers connected now (from the socket monitor)
 
 
 @dataclass
@@ -126,6 +128,7 @@ class _Source:
     stats: SourceStats = field(default_factory=SourceStats)
     expected: int | None = None  # next seq to deliver; None before first contact
     dealer: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None
     live_high: int | None = None  # highest seq seen on the live socket
     next_probe: float | None = None  # when to ask for history before first contact
     replay_deadline: float | None = None  # set while a replay is outstanding
@@ -152,7 +155,8 @@ class Subscriber:
         self._decoder = BatchDecoder()
         self._sources: dict[str, _Source] = {}
         self._poller = zmq.Poller()
-        self._by_socket: dict[zmq.Socket, tuple[_Source, bool]] = {}
+        # socket -> (source, role); role is "live", "replay" or "monitor".
+        self._by_socket: dict[zmq.Socket, tuple[_Source, str]] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -228,7 +232,7 @@ class Subscriber:
             entry = self._by_socket.get(sock)
             if entry is None:
                 continue
-            src, is_replay = entry
+            src, role = entry
             # Bounded drain per socket so one busy publisher cannot starve the others.
             for _ in range(1000):
                 try:
@@ -236,7 +240,9 @@ class Subscriber:
                 except zmq.Again:
                     break
                 handled += 1
-                if is_replay:
+                if role == "monitor":
+                    self._on_monitor(src, frames)
+                elif role == "replay":
                     self._on_replay(src, frames)
                     if src.dealer is not sock:  # replay finished and socket closed
                         break
@@ -262,10 +268,21 @@ class Subscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
-        (sub.bind if config.bind else sub.connect)(config.endpoint)
         src = _Source(config, sub)
+        # The monitor must exist before connect/bind or the first CONNECTED is missed.
+        src.monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
+        try:
+            (sub.bind if config.bind else sub.connect)(config.endpoint)
+        except zmq.ZMQError:
+            sub.disable_monitor()
+            src.monitor.close(linger=0)
+            sub.close(linger=0)
+            raise
         self._sources[config.name] = src
-        self._register(sub, src, False)
+        self._register(sub, src, "live")
+        self._register(src.monitor, src, "monitor")
         if self._can_replay(src) and config.replay_from_start:
             # Catch up on history at once: an idle publisher may send nothing live for
             # a long time, and the batches it sent before we connected are in its buffer.
@@ -276,12 +293,27 @@ class Subscriber:
         if src is None:
             return
         self._close_dealer(src)
+        if src.monitor is not None:
+            self._unregister(src.monitor)
+            src.sub.disable_monitor()
+            src.monitor.close(linger=0)
         self._unregister(src.sub)
         src.sub.close(linger=0)
 
-    def _register(self, sock: zmq.Socket, src: _Source, is_replay: bool) -> None:
+    def _register(self, sock: zmq.Socket, src: _Source, role: str) -> None:
         self._poller.register(sock, zmq.POLLIN)
-        self._by_socket[sock] = (src, is_replay)
+        self._by_socket[sock] = (src, role)
+
+    @staticmethod
+    def _on_monitor(src: _Source, frames: list[bytes]) -> None:
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except Exception:  # a monitor frame we cannot parse says nothing about peers
+            return
+        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            src.stats.connected += 1
+        elif event == zmq.EVENT_DISCONNECTED:
+            src.stats.connected = max(0, src.stats.connected - 1)
 
     def _unregister(self, sock: zmq.Socket) -> None:
         self._poller.unregister(sock)
@@ -371,7 +403,7 @@ class Subscriber:
         src.dealer = dealer
         src.replay_deadline = time.monotonic() + self._replay_timeout
         src.stats.replay_requests += 1
-        self._register(dealer, src, True)
+        self._register(dealer, src, "replay")
 
     def _on_replay(self, src: _Source, frames: list[bytes]) -> None:
         # Current: [b"", topic, seq, payload]; older: [b"", seq, payload].
@@ -445,6 +477,7 @@ class Subscriber:
     def _deliver(self, src: _Source, seq: int, payload: bytes, *, replayed: bool) -> None:
         src.expected = seq + 1
         src.stats.last_seq = seq
+        src.stats.last_received = time.time()
         try:
             result = self._decoder.decode(payload)
         except PayloadError:

@@ -9,7 +9,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port, wait_until
+from support import free_port, wait_until
 from kvevents.schema import BatchDecoder, BatchEncoder, BlockRemoved, BlockStored, KVEventBatch, PayloadError
 from kvevents.subscriber import BatchReceived, SourceConfig, Subscriber
 from kvevents.transport import pack_seq

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from conftest import LossyForwarder, free_port, wait_until
+from support import LossyForwarder, free_port, wait_until
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import (
     AllBlocksCleared,

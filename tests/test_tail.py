@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from conftest import LossyForwarder, free_port
+from support import LossyForwarder, free_port
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 

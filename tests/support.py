@@ -1,4 +1,6 @@
-"""Shared test helpers: free loopback ports, deadline waits, a lossy ZeroMQ hop."""
+"""Shared test helpers: free loopback ports, deadline waits, a lossy ZeroMQ hop, a
+uvicorn server thread. (Not named conftest: tests/connector has its own conftest, and
+two top-level ``conftest`` modules would shadow each other on import.)"""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-import pytest
 import zmq
 
 from kvevents.transport import unpack_seq
@@ -79,6 +80,24 @@ class LossyForwarder:
         self._thread.join(2)
 
 
-@pytest.fixture
-def ports() -> Callable[[], int]:
-    return free_port
+class ServerThread:
+    """A real uvicorn server for an app, on a free 127.0.0.1 port, in a thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", access_log=False))
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        if not wait_until(lambda: self.server.started, 10):
+            raise RuntimeError("uvicorn did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)

@@ -1,0 +1,157 @@
+"""Synthetic, realistic KV event workloads (shared by the index and ingest benchmarks).
+
+A fleet of ``pods`` engines, each with a prefix cache of ``capacity`` 16-token blocks,
+serves requests made of: one of 16 shared system prompts (1,024 tokens), often a shared
+document drawn Zipf-like from a pool (1-4k tokens), and a unique user tail (128-1k
+tokens); a few pods also serve long-context requests (~32k tokens) over shared long
+documents. Like vLLM, an engine announces only blocks it did not already hold (one
+``BlockStored`` per request, parent = last cached block) and, once full, evicts its
+oldest announcements with ``BlockRemoved``. Engine hashes are per-pod (no shared hash
+seed), as with vLLM's random ``NONE_HASH``.
+
+``generate()`` yields ``(pod_name, KVEventBatch)`` in publishing order; ``write()``
+stores them msgpack-encoded (length-prefixed) so a measuring process can replay them
+without carrying the generator's state in its RSS.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvevents.index.keys import ContentHasher
+from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
+
+BS = 16
+VOCAB = 128_000
+MODEL = "bench-model"
+
+
+@dataclass
+class Workload:
+    pods: int = 64
+    capacity: int = 100_000  # resident GPU blocks per pod once full
+    steady_fraction: float = 0.25  # extra blocks stored after the fill (with evictions)
+    events_per_batch: int = 16
+    seed: int = 0
+
+    def prompts(self, n_tokens: int, count: int = 50) -> list[list[int]]:
+        """Lookup prompts of ``n_tokens``: cached request prefixes (full hits on a few
+        pods, the shared system prompt on many), like a router sees."""
+        rng = np.random.default_rng(self.seed + 99)
+        sysp, docs, longs = _corpus(self)
+        out = []
+        for i in range(count):
+            if n_tokens > 8192:
+                base = np.concatenate([sysp[i % len(sysp)], longs[i % len(longs)]])
+            else:
+                base = np.concatenate([sysp[i % len(sysp)], docs[i % 8]])
+            if base.size < n_tokens:
+                base = np.concatenate([base, rng.integers(0, VOCAB, n_tokens - base.size)])
+            out.append(base[:n_tokens].tolist())
+        return out
+
+
+def _corpus(w: Workload):
+    rng = np.random.default_rng(w.seed)
+    sysp = [rng.integers(0, VOCAB, 1024) for _ in range(16)]
+    n_docs = max(32, w.capacity // 64)
+    docs = [rng.integers(0, VOCAB, int(rng.integers(64, 256)) * BS) for _ in range(n_docs)]
+    longs = [rng.integers(0, VOCAB, 31 * 1024) for _ in range(4)]
+    return sysp, docs, longs
+
+
+def generate(w: Workload) -> Iterator[tuple[str, KVEventBatch]]:
+    rng = np.random.default_rng(w.seed + 1)
+    sysp, docs, longs = _corpus(w)
+    hasher = ContentHasher()
+    root = hasher.root(MODEL, BS, None)
+    zipf_p = 1.0 / np.arange(1, len(docs) + 1)
+    zipf_p /= zipf_p.sum()
+    pods = [f"pod-{i:02d}" for i in range(w.pods)]
+    salts = [np.uint64(rng.integers(1, 2**63)) for _ in pods]
+    cached: list[set[int]] = [set() for _ in pods]
+    fifo: list[deque] = [deque() for _ in pods]
+    resident = [0] * w.pods
+    stored = [0] * w.pods
+    target = int(w.capacity * (1 + w.steady_fraction))
+    pending: list[list] = [[] for _ in pods]
+    active = list(range(w.pods))
+    while active:
+        nxt = []
+        for p in active:
+            parts = [sysp[int(rng.integers(len(sysp)))]]
+            if p < 8 and rng.random() < 0.05 and w.capacity >= 8192:
+                parts.append(longs[int(rng.integers(len(longs)))])
+            elif rng.random() < 0.7:
+                parts.append(docs[int(rng.choice(len(docs), p=zipf_p))])
+            parts.append(rng.integers(0, VOCAB, int(rng.integers(8, 64)) * BS))
+            toks = np.concatenate(parts)
+            keys = hasher.keys(root, toks, BS)
+            hashes = (keys ^ salts[p]).tolist()  # per-pod engine hashes
+            kl = keys.tolist()
+            c = cached[p]
+            first = 0
+            while first < len(kl) and kl[first] in c:
+                first += 1
+            if first < len(kl):
+                new = kl[first:]
+                c.update(new)
+                ev = BlockStored(
+                    block_hashes=hashes[first:],
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=toks[first * BS :].tolist(),
+                    block_size=BS, lora_id=None, medium="GPU", lora_name=None,
+                )
+                pending[p].append(ev)
+                fifo[p].append((new, hashes[first:]))
+                resident[p] += len(new)
+                stored[p] += len(new)
+            while resident[p] > w.capacity:
+                old_keys, old_hashes = fifo[p].popleft()
+                for k in old_keys:
+                    c.discard(k)
+                resident[p] -= len(old_keys)
+                pending[p].append(BlockRemoved(block_hashes=old_hashes, medium="GPU"))
+            if len(pending[p]) >= w.events_per_batch:
+                yield pods[p], KVEventBatch(0.0, pending[p])
+                pending[p] = []
+            if stored[p] < target:
+                nxt.append(p)
+        active = nxt
+    for p in range(w.pods):
+        if pending[p]:
+            yield pods[p], KVEventBatch(0.0, pending[p])
+
+
+def write(w: Workload, path: str) -> dict[str, int]:
+    """Write the workload as length-prefixed records: pod name, payload."""
+    enc = BatchEncoder()
+    n_batches = 0
+    with open(path, "wb") as f:
+        for pod, batch in generate(w):
+            pb = pod.encode()
+            payload = enc.encode(batch)
+            f.write(struct.pack("<HI", len(pb), len(payload)))
+            f.write(pb)
+            f.write(payload)
+            n_batches += 1
+    return {"batches": n_batches}
+
+
+def read(path: str) -> Iterator[tuple[str, bytes]]:
+    """Records written by :func:`write`, as (pod, msgpack payload)."""
+    hdr = struct.Struct("<HI")
+    # Streamed record by record so a reader's RSS holds one payload at a time.
+    with open(path, "rb") as f:
+        while True:
+            h = f.read(hdr.size)
+            if len(h) < hdr.size:
+                return
+            lp, ln = hdr.unpack(h)
+            pod = f.read(lp).decode()
+            yield pod, f.read(ln)

@@ -1,0 +1,49 @@
+"""Shape of the engine's paged KV cache, shared by the engine, connector and benchmarks.
+
+Each layer is one tensor ``[num_blocks, block_size, 2, num_kv_heads, head_dim]``: the
+block dimension first, so that a block is one contiguous row and moving a batch of
+blocks is a single index operation along dim 0 (the same for the CPU pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_layers: int = 2
+    block_size: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, 2, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block_layer(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * 2 * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one engine block over all layers."""
+        return self.bytes_per_block_layer * self.num_layers
+
+    def layer_names(self) -> list[str]:
+        return [f"layer.{i}" for i in range(self.num_layers)]
+
+    def allocate(self, num_blocks: int, device: torch.device | str, pin: bool = False) -> dict[str, torch.Tensor]:
+        """Zeroed per-layer tensors; ``pin`` asks for page-locked host memory."""
+        return {
+            name: torch.zeros(self.layer_shape(num_blocks), dtype=self.dtype, device=device, pin_memory=pin)
+            for name in self.layer_names()
+        }

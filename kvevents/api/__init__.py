@@ -1,0 +1,56 @@
+"""The aggregator's HTTP API (FastAPI): routers per feature, state on ``app.state``.
+
+``create_app(settings)`` builds the app; its lifespan creates the
+:class:`~kvevents.aggregator.Aggregator`, starts it, and stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from kvevents.aggregator import Aggregator
+from kvevents.api import routes_ops, routes_pods, routes_query
+from kvevents.api.errors import install_error_handlers
+from kvevents.api.limits import BodySizeLimit
+from kvevents.settings import AggregatorSettings
+
+
+def create_app(
+    settings: AggregatorSettings | None = None,
+    registry: CollectorRegistry | None = None,
+    aggregator: Aggregator | None = None,
+) -> FastAPI:
+    """Build the app. Pass ``aggregator`` to serve one you own (it is then neither
+    started nor stopped by the app)."""
+    settings = settings or (aggregator.settings if aggregator else AggregatorSettings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if aggregator is not None:
+            app.state.aggregator = aggregator
+            yield
+            return
+        agg = Aggregator(settings, registry)
+        agg.start()
+        app.state.aggregator = agg
+        try:
+            yield
+        finally:
+            agg.stop()
+
+    app = FastAPI(
+        title="kvevents aggregator",
+        version="0.1.0",
+        description="Which KV cache prefixes live on which engine and tier, from vLLM-compatible "
+                    "KV events.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(routes_ops.router)
+    app.include_router(routes_pods.router)
+    app.include_router(routes_query.router)
+    return app

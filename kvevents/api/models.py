@@ -1,0 +1,112 @@
+"""Request and response models of the HTTP API (pydantic, for validation and OpenAPI).
+
+Requests are validated before any handler runs; unknown fields are rejected so a typo
+(``tokens`` for ``token_ids``) is an error naming the field, not a silent default.
+Responses are documented here but encoded straight from the index's msgspec results.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Strict: "5" is not a token id; a float is not either.
+TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LookupRequest(_Strict):
+    token_ids: list[TokenId] = Field(description="The prompt's token ids.")
+    model: str | None = Field(None, description="Only consider pods serving this model.")
+    lora_name: str | None = Field(None, description="LoRA adapter the prompt runs under.")
+
+
+class PodMatchOut(BaseModel):
+    pod: str
+    matched_tokens: int = Field(description="Leading prompt tokens cached in any tier.")
+    tiers: dict[str, int] = Field(description="Per tier, that tier's own leading run in tokens.")
+
+
+class LookupResponse(BaseModel):
+    prompt_tokens: int
+    block_size: int
+    pods: list[PodMatchOut] = Field(description="Pods holding a prefix, best first.")
+
+
+class PodCreate(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+    endpoint: str = Field(description="The publisher's live endpoint, tcp://HOST:PORT.")
+    replay_endpoint: str | None = Field(None, description="Its replay (ROUTER) endpoint.")
+    model: str | None = None
+    topic: str = ""
+
+
+class PodOut(BaseModel):
+    name: str
+    endpoint: str
+    replay_endpoint: str | None
+    model: str | None
+    status: Literal["live", "stale", "down"]
+    connected: bool
+    last_seq: int | None
+    lag_seconds: float | None
+    last_event_age_seconds: float | None
+    blocks: dict[str, int]
+    batches: int
+    gaps: int
+    replayed_batches: int
+    lost_batches: int
+    restarts: int
+    resyncs: int
+    malformed: int
+
+
+class PodsResponse(BaseModel):
+    pods: list[PodOut]
+
+
+class BlockHolderOut(BaseModel):
+    pod: str
+    tiers: dict[str, int] = Field(description="Tier -> reference count.")
+
+
+class BlockResponse(BaseModel):
+    hash: str
+    holders: list[BlockHolderOut]
+    tokens: list[int] | None
+    depth: int
+    model: str | None
+    block_size: int
+    lora_name: str | None
+
+
+class PrefixOut(BaseModel):
+    tokens: int
+    blocks: int
+    block_size: int
+    leading_tokens: list[int]
+    pods: list[str]
+    model: str | None = None
+    lora_name: str | None = None
+
+
+class PrefixesResponse(BaseModel):
+    prefixes: list[PrefixOut]
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    field: str | None
+
+
+ERRORS = {
+    401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"},
+    404: {"model": ErrorResponse, "description": "Unknown pod or block"},
+    409: {"model": ErrorResponse, "description": "Name already taken"},
+    413: {"model": ErrorResponse, "description": "Body or prompt too large"},
+    422: {"model": ErrorResponse, "description": "Invalid field (named in `field`)"},
+}

@@ -1,0 +1,89 @@
+"""Operations: ``/healthz``, ``/metrics``, ``/v1/events`` (SSE) and the live page ``/``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from importlib import resources
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import HTMLResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvevents.aggregator import Aggregator
+from kvevents.api.routes_pods import get_aggregator
+
+router = APIRouter(tags=["operations"])
+
+# How often the SSE stream looks for new items, and how often it sends a summary.
+_SSE_TICK_S = 0.25
+_SSE_SUMMARY_S = 1.0
+
+
+@router.get("/healthz", summary="Liveness")
+def healthz(agg: Aggregator = Depends(get_aggregator)) -> dict:
+    pods = agg.pod_statuses()
+    return {"status": "ok", "pods": len(pods),
+            "live": sum(1 for p in pods if p["status"] == "live"),
+            "uptime_seconds": round(time.time() - agg.started_at, 3)}
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+def metrics(agg: Aggregator = Depends(get_aggregator)) -> Response:
+    return Response(generate_latest(agg.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def summary(agg: Aggregator) -> dict:
+    """The fleet at a glance, for the live page."""
+    counters = agg.index.counters()
+    return {"ts": time.time(), "pods": agg.pod_statuses(),
+            "index": {"entries": counters.resident_entries,
+                      "distinct_blocks": counters.distinct_blocks},
+            "feed_id": agg.feed.last_id}
+
+
+def _sse(event_id: int | None, kind: str, data: dict) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+@router.get("/v1/events", summary="Server-sent events of what the index applies",
+            response_class=StreamingResponse)
+async def events(
+    request: Request,
+    max_seconds: float | None = Query(None, gt=0, le=86400,
+                                      description="Close the stream after this long."),
+    agg: Aggregator = Depends(get_aggregator),
+) -> StreamingResponse:
+    last = request.headers.get("last-event-id")
+    start = int(last) if last and last.isdigit() else agg.feed.last_id
+
+    async def stream():
+        cursor = start
+        next_summary = 0.0
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        yield "retry: 2000\n\n"
+        while not await request.is_disconnected():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            items, missed = agg.feed.since(cursor)
+            if missed:
+                yield _sse(None, "missed", {"count": missed})
+            for item_id, kind, data in items:
+                yield _sse(item_id, kind, data)
+                cursor = item_id
+            if now >= next_summary:
+                yield _sse(None, "summary", summary(agg))
+                next_summary = now + _SSE_SUMMARY_S
+            await asyncio.sleep(_SSE_TICK_S)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+def page() -> HTMLResponse:
+    html = resources.files("kvevents").joinpath("static/index.html").read_text()
+    return HTMLResponse(html)

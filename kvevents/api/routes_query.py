@@ -1,0 +1,87 @@
+"""Queries of the index: ``/v1/lookup``, ``/v1/blocks/{hash}``, ``/v1/prefixes``."""
+
+from __future__ import annotations
+
+import msgspec
+from fastapi import APIRouter, Depends, Query, Response
+
+from kvevents.aggregator import Aggregator
+from kvevents.api.errors import ApiError
+from kvevents.api.models import ERRORS, BlockResponse, LookupRequest, LookupResponse, PrefixesResponse
+from kvevents.api.routes_pods import get_aggregator
+from kvevents.index import LookupResult
+from kvevents.schema import BlockHash, hash_to_str
+
+router = APIRouter(prefix="/v1", tags=["queries"])
+_json = msgspec.json.Encoder()
+
+
+def json_response(payload: object, status: int = 200) -> Response:
+    """Encode with msgspec: the index's results are Structs, no pydantic round trip."""
+    return Response(_json.encode(payload), status_code=status, media_type="application/json")
+
+
+def check_prompt(token_ids: list[int], agg: Aggregator) -> None:
+    limit = agg.settings.max_prompt_tokens
+    if len(token_ids) > limit:
+        raise ApiError(413, f"token_ids has {len(token_ids)} tokens; the limit is {limit}",
+                       "token_ids")
+
+
+def lookup_payload(result: LookupResult) -> dict:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "block_size": result.block_size,
+        "pods": [{"pod": p.pod, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.pods],
+    }
+
+
+@router.post("/lookup", response_model=LookupResponse, responses=ERRORS,
+             summary="Per pod, how many leading prompt tokens are cached, per tier and in total")
+def lookup(body: LookupRequest, agg: Aggregator = Depends(get_aggregator)) -> Response:
+    check_prompt(body.token_ids, agg)
+    result = agg.lookup(body.token_ids, model=body.model, lora_name=body.lora_name)
+    return json_response(lookup_payload(result))
+
+
+def parse_block_hash(text: str) -> BlockHash:
+    """Decimal digits -> uint64 int; otherwise hex -> raw digest bytes."""
+    if text.isdigit():
+        value = int(text)
+        if value >= 2**64:
+            raise ApiError(422, "a decimal block hash must fit in 64 bits", "hash")
+        return value
+    try:
+        raw = bytes.fromhex(text.removeprefix("0x"))
+    except ValueError:
+        raise ApiError(422, "hash must be a decimal uint64 or hex digest bytes", "hash") from None
+    if not raw:
+        raise ApiError(422, "hash must not be empty", "hash")
+    return raw
+
+
+@router.get("/blocks/{hash}", response_model=BlockResponse, responses=ERRORS,
+            summary="Which pods and tiers hold an engine block hash, with its tokens")
+def block(hash: str, agg: Aggregator = Depends(get_aggregator)) -> Response:  # noqa: A002
+    info = agg.index.blocks_by_engine_hash(parse_block_hash(hash))
+    if not info.holders and info.tokens is None:
+        raise ApiError(404, f"no pod holds block {hash}", "hash")
+    return json_response({
+        "hash": hash_to_str(info.engine_hash),
+        "holders": info.holders,
+        "tokens": info.tokens,
+        "depth": info.depth,
+        "model": info.model,
+        "block_size": info.block_size,
+        "lora_name": info.lora_name,
+    })
+
+
+@router.get("/prefixes", response_model=PrefixesResponse, responses=ERRORS,
+            summary="The most widely cached prefixes and where they live")
+def prefixes(
+    model: str | None = None,
+    limit: int = Query(10, ge=1, le=1000),
+    agg: Aggregator = Depends(get_aggregator),
+) -> Response:
+    return json_response({"prefixes": agg.index.top_prefixes(model=model, limit=limit)})

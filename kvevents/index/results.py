@@ -1,0 +1,124 @@
+"""Result types of :class:`~kvevents.index.PrefixIndex` queries (msgspec Structs, so the
+HTTP layer can encode them to JSON directly). All are plain snapshots: they hold no
+reference into the index and stay valid after the index changes."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..schema import BlockHash
+
+
+class PodMatch(msgspec.Struct, gc=False):
+    """How much of a prompt one pod holds.
+
+    ``tokens``: leading prompt tokens whose blocks the pod holds in *some* tier (a block
+    counts when any tier has it). ``tiers``: per tier (medium name, e.g. "GPU", "CPU"),
+    that tier's own leading run in tokens; only tiers with a run > 0 appear.
+    ``block_size``: the block size of the namespace that matched.
+    """
+
+    pod: str
+    tokens: int
+    tiers: dict[str, int]
+    block_size: int
+
+
+class LookupResult(msgspec.Struct, gc=False):
+    """Answer of :meth:`PrefixIndex.lookup`.
+
+    ``pods``: pods with ``tokens > 0``, best first (tokens descending, then pod name).
+    ``prompt_tokens``: length of the prompt looked up. ``block_size``: block size of the
+    best match (or of the first namespace tried when nothing matched; 0 when the index
+    knows no namespace for the model). ``model`` / ``lora_name``: as asked.
+    """
+
+    prompt_tokens: int
+    block_size: int
+    pods: list[PodMatch]
+    model: str | None = None
+    lora_name: str | None = None
+
+
+class ApplyStats(msgspec.Struct, gc=False):
+    """What one :meth:`PrefixIndex.apply_batch` call did.
+
+    ``stored_blocks`` / ``removed_blocks``: block entries named by applied BlockStored /
+    BlockRemoved events (removals include unknown ones). ``unknown_removals``: removals
+    of (pod, tier, hash) entries that were not present. ``orphan_blocks``: stored blocks
+    that could not be placed on a chain from the sequence start (unknown parent, or a
+    token-less event with a hash never seen with tokens). ``ignored_events``: events not
+    feeding prefix matching (non-full-attention groups of hybrid models).
+    """
+
+    events: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    unknown_removals: int = 0
+    orphan_blocks: int = 0
+    ignored_events: int = 0
+
+
+class BlockHolder(msgspec.Struct, gc=False):
+    """One pod holding an engine block: its tiers and reference count per tier."""
+
+    pod: str
+    tiers: dict[str, int]
+
+
+class BlockInfo(msgspec.Struct, gc=False):
+    """Answer of :meth:`PrefixIndex.blocks_by_engine_hash`.
+
+    ``holders``: pods that hold the block now (empty when nobody does).
+    ``tokens``: the block's tokens when a self-describing event announced it, else None.
+    ``depth``: 1-based position of the block in its sequence; 0 when unknown (orphan or
+    token-less). ``model`` / ``block_size`` / ``lora_name``: the block's namespace.
+    """
+
+    engine_hash: BlockHash
+    holders: list[BlockHolder]
+    tokens: list[int] | None = None
+    depth: int = 0
+    model: str | None = None
+    block_size: int = 0
+    lora_name: str | None = None
+
+
+class PrefixInfo(msgspec.Struct, gc=False):
+    """One widely cached prefix (answer item of :meth:`PrefixIndex.top_prefixes`).
+
+    ``tokens``: prefix length in tokens (``blocks * block_size``); ``leading_tokens``:
+    up to the first 64 token ids; ``pods``: pods holding the whole prefix in some tier.
+    """
+
+    tokens: int
+    blocks: int
+    block_size: int
+    leading_tokens: list[int]
+    pods: list[str]
+    model: str | None = None
+    lora_name: str | None = None
+
+
+class EventCount(msgspec.Struct, gc=False):
+    """Applied events and their block entries for one (pod, tier, event type)."""
+
+    pod: str
+    tier: str
+    type: str
+    events: int
+    blocks: int
+
+
+class IndexCounters(msgspec.Struct, gc=False):
+    """Monotonic counters since the index was created (kept across pod drops), plus
+    current sizes. Per-pod dicts are keyed by pod name. ``applied`` has one row per
+    (pod, tier, event type); AllBlocksCleared rows have tier "*"."""
+
+    applied: list[EventCount]
+    unknown_removals: dict[str, int]
+    orphan_blocks: dict[str, int]
+    ignored_events: dict[str, int]
+    resident_entries: int
+    distinct_blocks: int

@@ -1,0 +1,205 @@
+"""The aggregator over HTTP: a real uvicorn server following real publishers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from support import LossyForwarder, ServerThread, free_port, wait_until
+from kvevents.api import create_app
+from kvevents.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.settings import AggregatorSettings, PodSpec
+
+BS = 4
+P = list(range(100, 124))  # a 24-token prompt: 6 blocks of 4
+Q = list(range(500, 516))
+
+
+def blocks(tokens, i, j):
+    return tokens[i * BS:j * BS]
+
+
+def h(pod_bytes: bool, n: int):
+    """Engine hash n as the pod's engine spells it (uint64 or raw digest)."""
+    return n.to_bytes(32, "big") if pod_bytes else n
+
+
+class Pub:
+    def __init__(self, legacy: bool) -> None:
+        self.live, self.replay = free_port(), free_port()
+        self.pub = ZmqEventPublisher(PublisherConfig(
+            endpoint=f"tcp://*:{self.live}", replay_endpoint=f"tcp://*:{self.replay}",
+            legacy_encoding=legacy))
+
+    def send(self, *events) -> None:
+        self.pub.publish(KVEventBatch(time.time(), list(events)))
+
+
+@pytest.fixture
+def fleet():
+    """Pod a: current map encoding, int hashes, a lossy live hop (seq 2 dropped).
+    Pod b: legacy array encoding, bytes hashes."""
+    a, b = Pub(legacy=False), Pub(legacy=True)
+    fwd = LossyForwarder(f"tcp://127.0.0.1:{a.live}", drop={2})
+    settings = AggregatorSettings(pods=(
+        PodSpec("a", fwd.endpoint, replay_endpoint=f"tcp://127.0.0.1:{a.replay}", model="m"),
+        PodSpec("b", f"tcp://127.0.0.1:{b.live}", replay_endpoint=f"tcp://127.0.0.1:{b.replay}", model="m"),
+    ), auth_token="s3cret", max_body_bytes=64 * 1024, max_prompt_tokens=5000)
+    with ServerThread(create_app(settings)) as srv:
+        yield srv, a, b
+    fwd.close()
+    a.pub.shutdown(0.5)
+    b.pub.shutdown(0.5)
+
+
+def lookup(srv, tokens, **kw):
+    r = httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": tokens, **kw}, timeout=5)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def feed_events(a: Pub, b: Pub) -> None:
+    # a: P's blocks 0..3 on GPU in two events (seq 0, 1); then (seq 2, dropped live and
+    # recovered by replay) block 3 leaves the GPU and blocks 2..3 land on CPU.
+    a.send(BlockStored([1, 2], None, blocks(P, 0, 2), BS, None, "GPU", None))
+    a.send(BlockStored([3, 4], 2, blocks(P, 2, 4), BS, None, "GPU", None))
+    a.send(BlockRemoved([4], "GPU"),
+           BlockStored([3, 4], 2, blocks(P, 2, 4), BS, None, "CPU", None))
+    # seq 3: a duplicate CPU announcement of block 3 (overlapping chunk) and its removal
+    # once: still resident on CPU.
+    a.send(BlockStored([3], 2, blocks(P, 2, 3), BS, None, "CPU", None),
+           BlockRemoved([3], "CPU"))
+    # b: P's first block, and all of Q; an unknown removal (counted, harmless).
+    b.send(BlockStored([h(True, 1)], None, blocks(P, 0, 1), BS, None, None, None),
+           BlockStored([h(True, 10), h(True, 11), h(True, 12), h(True, 13)], None, Q, BS, None, "GPU", None),
+           BlockRemoved([h(True, 999)], None))
+
+
+def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
+    srv, a, b = fleet
+    time.sleep(0.5)  # subscriptions in place (missed batches would be replayed anyway)
+    feed_events(a, b)
+    assert wait_until(lambda: {p["name"]: p["last_seq"] for p in
+                               httpx.get(f"{srv.url}/v1/pods").json()["pods"]} == {"a": 3, "b": 0}, 10)
+    got = lookup(srv, P + [1, 2, 3])
+    assert got["prompt_tokens"] == 27 and got["block_size"] == BS
+    assert got["pods"] == [
+        {"pod": "a", "matched_tokens": 16, "tiers": {"GPU": 12}},
+        {"pod": "b", "matched_tokens": 4, "tiers": {"GPU": 4}},
+    ]
+    assert lookup(srv, Q)["pods"] == [{"pod": "b", "matched_tokens": 16, "tiers": {"GPU": 16}}]
+    assert lookup(srv, [7] * 8)["pods"] == []
+    assert lookup(srv, P, model="other")["pods"] == []
+    pods = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]}
+    assert pods["a"]["gaps"] == 1 and pods["a"]["replayed_batches"] >= 1
+    assert pods["a"]["lost_batches"] == 0 and pods["a"]["status"] == "live"
+    assert pods["a"]["blocks"] == {"GPU": 3, "CPU": 2}
+    assert pods["b"]["blocks"] == {"GPU": 5}
+
+    # Block queries by decimal and hex hash.
+    r = httpx.get(f"{srv.url}/v1/blocks/3").json()
+    assert r["holders"] == [{"pod": "a", "tiers": {"GPU": 1, "CPU": 1}}]
+    assert r["tokens"] == blocks(P, 2, 3)
+    r = httpx.get(f"{srv.url}/v1/blocks/{h(True, 10).hex()}").json()
+    assert r["holders"] == [{"pod": "b", "tiers": {"GPU": 1}}] and r["tokens"] == Q[:4]
+    assert httpx.get(f"{srv.url}/v1/blocks/424242").status_code == 404
+
+    top = httpx.get(f"{srv.url}/v1/prefixes", params={"limit": 5}).json()["prefixes"]
+    assert top[0]["pods"] == ["a", "b"] and top[0]["leading_tokens"][:4] == P[:4]
+
+    # Metrics reflect it.
+    text = httpx.get(f"{srv.url}/metrics").text
+    assert 'kvevents_resident_blocks{pod="a",tier="CPU"} 2.0' in text
+    assert 'kvevents_replayed_batches_total{pod="a"}' in text
+    assert 'kvevents_unknown_removals_total{pod="b"} 1.0' in text
+    assert 'kvevents_lookups_total{endpoint="lookup"} 4.0' in text
+
+    # A cleared cache and a publisher restart drop state.
+    b.send(AllBlocksCleared())
+    assert wait_until(lambda: lookup(srv, Q)["pods"] == [], 5)
+
+
+def test_bad_input_gets_4xx_naming_the_field_and_changes_nothing(fleet):
+    srv, _, _ = fleet
+    url = srv.url
+    auth = {"Authorization": "Bearer s3cret"}
+    before = httpx.get(f"{url}/v1/pods").json()
+
+    def err(r, status, field):
+        assert r.status_code == status, r.text
+        body = r.json()
+        assert body["field"] == field and body["error"], body
+
+    err(httpx.post(f"{url}/v1/lookup", json={"token_ids": [1, "x"]}), 422, "token_ids[1]")
+    err(httpx.post(f"{url}/v1/lookup", json={"token_ids": [1, -5]}), 422, "token_ids[1]")
+    err(httpx.post(f"{url}/v1/lookup", json={"token_ids": "abc"}), 422, "token_ids")
+    err(httpx.post(f"{url}/v1/lookup", json={}), 422, "token_ids")
+    err(httpx.post(f"{url}/v1/lookup", json={"tokens": [1]}), 422, "token_ids")
+    err(httpx.post(f"{url}/v1/lookup", json={"token_ids": [1], "modle": "x"}), 422, "modle")
+    err(httpx.post(f"{url}/v1/lookup", content=b"{not json", headers={"content-type": "application/json"}), 422, None)
+    err(httpx.post(f"{url}/v1/lookup", json={"token_ids": [1] * 6000}), 413, "token_ids")
+    err(httpx.post(f"{url}/v1/lookup", content=b"[" + b"1," * 40000 + b"1]",
+                   headers={"content-type": "application/json"}), 413, None)
+    err(httpx.get(f"{url}/v1/prefixes", params={"limit": 0}), 422, "limit")
+    err(httpx.get(f"{url}/v1/blocks/zz-not-hex"), 422, "hash")
+    # Mutations: token required; then field-level errors.
+    new = {"name": "c", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    err(httpx.post(f"{url}/v1/pods", json=new), 401, "Authorization")
+    err(httpx.post(f"{url}/v1/pods", json=new, headers={"Authorization": "Bearer nope"}), 401, "Authorization")
+    err(httpx.delete(f"{url}/v1/pods/a"), 401, "Authorization")
+    err(httpx.post(f"{url}/v1/pods", json={**new, "endpoint": "udp://x"}, headers=auth), 422, "endpoint")
+    err(httpx.post(f"{url}/v1/pods", json={**new, "replay_endpoint": "tcp://nohost"}, headers=auth), 422, "replay_endpoint")
+    err(httpx.post(f"{url}/v1/pods", json={**new, "name": "bad name!"}, headers=auth), 422, "name")
+    err(httpx.post(f"{url}/v1/pods", json={**new, "name": "a"}, headers=auth), 409, "name")
+    err(httpx.delete(f"{url}/v1/pods/nope", headers=auth), 404, "name")
+    after = httpx.get(f"{url}/v1/pods").json()
+    assert [p["name"] for p in after["pods"]] == [p["name"] for p in before["pods"]] == ["a", "b"]
+
+
+def test_pods_are_added_and_removed_at_run_time(fleet):
+    srv, _, _ = fleet
+    auth = {"Authorization": "Bearer s3cret"}
+    c = Pub(legacy=False)
+    try:
+        r = httpx.post(f"{srv.url}/v1/pods", headers=auth, json={
+            "name": "c", "endpoint": f"tcp://127.0.0.1:{c.live}",
+            "replay_endpoint": f"tcp://127.0.0.1:{c.replay}", "model": "m"})
+        assert r.status_code == 201, r.text
+        c.send(BlockStored([77], None, Q[:4], BS, None, "GPU", None))
+        assert wait_until(lambda: any(p["pod"] == "c" for p in lookup(srv, Q)["pods"]), 10)
+        pods = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]}
+        assert pods["c"]["status"] == "live" and pods["c"]["connected"]
+        assert httpx.delete(f"{srv.url}/v1/pods/c", headers=auth).status_code == 204
+        assert all(p["pod"] != "c" for p in lookup(srv, Q)["pods"])
+        assert "c" not in [p["name"] for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]]
+    finally:
+        c.pub.shutdown(0.5)
+
+
+def test_event_stream_reports_applied_batches(fleet):
+    srv, a, _ = fleet
+    time.sleep(0.3)
+    with httpx.stream("GET", f"{srv.url}/v1/events", params={"max_seconds": 3}, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        a.send(BlockStored([1], None, P[:4], BS, None, "GPU", None))
+        kinds, batch = [], None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kinds.append(line[7:])
+            elif line.startswith("data: ") and kinds[-1] == "batch":
+                batch = json.loads(line[6:])
+                break
+    assert "summary" in kinds and batch["pod"] == "a" and batch["stored"] == 1
+
+
+def test_openapi_documents_the_api(fleet):
+    srv, _, _ = fleet
+    spec = httpx.get(f"{srv.url}/openapi.json").json()
+    for path in ("/v1/pods", "/v1/lookup", "/v1/blocks/{hash}", "/v1/prefixes", "/v1/events",
+                 "/healthz", "/metrics"):
+        assert path in spec["paths"], path
+    assert "token_ids" in json.dumps(spec["components"]["schemas"]["LookupRequest"])
