@@ -101,3 +101,71 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self._thread.join(10)
+
+
+def require_binary(name: str) -> str:
+    """Path of a system binary a test needs. Missing: skip locally, fail under CI."""
+    import os
+    import shutil
+
+    import pytest
+
+    path = shutil.which(name)
+    if path is None:
+        msg = f"{name} is not installed (Debian package {name!r}; `make test` installs it as root)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+class PrometheusServer:
+    """A real Prometheus (Debian package) scraping ``targets`` every second."""
+
+    def __init__(self, tmp_path, targets: dict[str, list[str]], binary: str = "prometheus") -> None:
+        import subprocess
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        jobs = "".join(
+            f"  - job_name: {job}\n    scrape_interval: 1s\n    static_configs:\n"
+            f"      - targets: [{', '.join(repr(t) for t in hosts)}]\n"
+            for job, hosts in targets.items()
+        )
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n{jobs}")
+        self._log = open(tmp_path / "prometheus.log", "w")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def query(self, promql: str) -> list[dict]:
+        import httpx
+
+        r = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5)
+        body = r.json()
+        if body.get("status") != "success":
+            raise AssertionError(f"PromQL {promql!r} failed: {body}")
+        return body["data"]["result"]
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        import httpx
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        if not wait_until(ready, timeout, 0.2):
+            raise RuntimeError("prometheus did not become ready")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except Exception:
+            self.proc.kill()
+        self._log.close()

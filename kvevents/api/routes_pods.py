@@ -13,7 +13,7 @@ from kvevents.settings import PodSpec
 router = APIRouter(prefix="/v1/pods", tags=["pods"])
 
 
-def get_aggregator(request: Request) -> Aggregator:
+async def get_aggregator(request: Request) -> Aggregator:
     return request.app.state.aggregator
 
 

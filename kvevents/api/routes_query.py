@@ -6,6 +6,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Query, Response
 
 from kvevents.aggregator import Aggregator
+from kvevents.api.body import LookupBody, decode_lookup
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, BlockResponse, LookupRequest, LookupResponse, PrefixesResponse
 from kvevents.api.routes_pods import get_aggregator
@@ -36,9 +37,19 @@ def lookup_payload(result: LookupResult) -> dict:
     }
 
 
+def body_doc(model: type) -> dict:
+    """OpenAPI request body for a route that decodes its body with msgspec."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
+# async: the lookup is CPU-light and short, so it runs on the event loop instead of
+# paying a thread-pool hop per request.
 @router.post("/lookup", response_model=LookupResponse, responses=ERRORS,
+             openapi_extra=body_doc(LookupRequest),
              summary="Per pod, how many leading prompt tokens are cached, per tier and in total")
-def lookup(body: LookupRequest, agg: Aggregator = Depends(get_aggregator)) -> Response:
+async def lookup(body: LookupBody = Depends(decode_lookup),
+                 agg: Aggregator = Depends(get_aggregator)) -> Response:
     check_prompt(body.token_ids, agg)
     result = agg.lookup(body.token_ids, model=body.model, lora_name=body.lora_name)
     return json_response(lookup_payload(result))
