@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from kvevents.feed import EventFeed
 from kvevents.index import LookupResult, PrefixIndex
 from kvevents.metrics import AggregatorMetrics
+from kvevents.router import KVAwarePolicy
 from kvevents.settings import AggregatorSettings, PodSpec
 from kvevents.subscriber import (
     BatchesLost,
@@ -66,6 +67,7 @@ class Aggregator:
         self.feed = EventFeed(settings.event_feed_size)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AggregatorMetrics(self, self.registry)
+        self.router = KVAwarePolicy()
         self._pods: dict[str, PodState] = {}
         self._pods_lock = threading.Lock()
         self._subscriber = Subscriber(self._on_signal, replay_timeout=settings.replay_timeout_s)

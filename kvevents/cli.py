@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_tail(sub)
     _add_serve(sub)
-    sub.add_parser("demo", help="run the end-to-end demo on this machine")
+    from kvevents.demo import add_arguments
+
+    add_arguments(sub.add_parser("demo", help="run a live KV-aware fleet on this machine"))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from kvevents.demo import run_demo
 
-        return run_demo()
+        return run_demo(args)
     return 2
 
 

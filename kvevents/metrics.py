@@ -29,6 +29,7 @@ kvevents_lookups_total                      lookups served {endpoint}
 kvevents_lookup_latency_seconds             histogram: index lookup time {endpoint}
 kvevents_lookup_prompt_tokens_total         prompt tokens looked up {endpoint}
 kvevents_lookup_matched_tokens_total        best pod's matched tokens {endpoint}
+kvevents_lookup_tier_tokens_total           best pod's leading run per tier {endpoint, tier}
 ==========================================  =====================================
 """
 
@@ -76,6 +77,13 @@ class AggregatorMetrics:
             "kvevents_lookup_matched_tokens", "Leading tokens cached on the best pod",
             ["endpoint"], registry=registry,
         )
+        self.tier_tokens = Counter(
+            "kvevents_lookup_tier_tokens", "Best pod's leading cached run per tier",
+            ["endpoint", "tier"], registry=registry,
+        )
+        # Running totals for the live page (a dict read is cheaper than a registry walk).
+        self.totals: dict[str, float] = {"lookups": 0, "prompt_tokens": 0, "matched_tokens": 0}
+        self.tier_totals: dict[str, float] = {}
         registry.register(_StateCollector(aggregator))
         # Children are cached per label so the hot path skips the label lookup.
         self._lag_children: dict[str, object] = {}
@@ -90,8 +98,15 @@ class AggregatorMetrics:
         self.lookups.labels(endpoint).inc()
         self.lookup_latency.labels(endpoint).observe(seconds)
         self.prompt_tokens.labels(endpoint).inc(result.prompt_tokens)
+        self.totals["lookups"] += 1
+        self.totals["prompt_tokens"] += result.prompt_tokens
         if result.pods:
-            self.matched_tokens.labels(endpoint).inc(result.pods[0].tokens)
+            best = result.pods[0]
+            self.matched_tokens.labels(endpoint).inc(best.tokens)
+            self.totals["matched_tokens"] += best.tokens
+            for tier, n in best.tiers.items():
+                self.tier_tokens.labels(endpoint, tier).inc(n)
+                self.tier_totals[tier] = self.tier_totals.get(tier, 0) + n
 
     def forget_pod(self, pod: str) -> None:
         """Drop a removed pod's histogram series."""

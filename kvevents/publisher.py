@@ -98,6 +98,9 @@ class PublisherConfig:
     max_queue_size: int = 100_000
     data_parallel_rank: int | None = None
     legacy_encoding: bool = False
+    # None: vLLM's rule above. True/False force bind/connect, e.g. to bind one
+    # interface only (tcp://127.0.0.1:5557), which vLLM's rule would connect to.
+    bind: bool | None = None
 
     def __post_init__(self) -> None:
         validate_endpoint(self.endpoint)
@@ -191,16 +194,19 @@ class ZmqEventPublisher(EventPublisher):
 
     # -- socket thread -------------------------------------------------------------
 
+    def _binds(self, endpoint: str) -> bool:
+        return should_bind(endpoint) if self.config.bind is None else self.config.bind
+
     def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         pub.setsockopt(zmq.LINGER, 1000)
-        (pub.bind if should_bind(self.endpoint) else pub.connect)(self.endpoint)
+        (pub.bind if self._binds(self.endpoint) else pub.connect)(self.endpoint)
         router = None
         if self.replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
-            (router.bind if should_bind(self.replay_endpoint) else router.connect)(
+            (router.bind if self._binds(self.replay_endpoint) else router.connect)(
                 self.replay_endpoint
             )
         return pub, router

@@ -50,6 +50,11 @@ class CPUOffloadingManager(OffloadingManager):
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._events: list[OffloadingEvent] = []
 
+    @property
+    def num_used(self) -> int:
+        """Slots holding a block (stored, being stored, or pinned)."""
+        return self.num_slots - len(self._free)
+
     # -- loads -----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[OffloadKey]) -> int:

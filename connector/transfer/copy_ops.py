@@ -1,19 +1,36 @@
-"""Batched block copies with torch index ops (no per-block Python loop).
+"""Batched block copies between a KV cache and the CPU pool, with no per-block Python loop.
 
-The CPU pool side of a transfer is allocated by us in ascending slots, so its ids are
-usually a few long runs of consecutive rows. A run on the pool side lets the copy be a
-single pass: ``index_select(out=pool[a:b])`` for a store, ``index_copy_(src=pool[a:b])``
-for a load, instead of gather-to-temporary then scatter (two passes over the bytes).
-When the pool side is fragmented (many short runs) one vectorised gather+scatter over
-the whole batch is cheaper than many small ops.
+Every tensor here is ``[num_blocks, ...]`` with a block as one contiguous row. On CPU the
+copies run on numpy views that treat each row as one opaque ``void`` element, so a batch
+of blocks is one ``np.take`` (gather) or one fancy assignment (scatter) that moves each
+row with a single ``memmove`` and releases the GIL. Torch's CPU ``index_copy_`` /
+``index_put_`` instead move element by element (a load into scattered engine blocks ran
+at ~0.3x a plain copy), and its ``index_select`` goes through the OpenMP pool, which
+stalls badly when another process holds one of the cores.
+
+Strategy for one batch (``src_ids[i] -> dst_ids[i]``), chosen from the ids alone:
+
+1. runs where *both* sides are consecutive: one slice copy per run (a fresh engine
+   allocates consecutive blocks, and the pool allocates ascending rows);
+2. else runs of consecutive rows on the pool side (the usual case: the offload manager
+   hands out ascending pool rows, while engine blocks are scattered): one gather
+   (store, written straight into the pool slice) or one scatter (load, read straight
+   from the pool slice) per run, a single pass over the bytes;
+3. else (both sides fragmented) one vectorised gather into a temporary, then one scatter.
+
+A loop per run is used only while runs average at least ``MIN_AVG_RUN`` blocks, so the
+number of Python-level ops stays small. Tensors that cannot be viewed as rows (not
+contiguous, not on CPU) fall back to the torch index ops.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import torch
 
-# Use run-wise single-pass copies only while runs average at least this many blocks.
+# Use run-wise copies only while runs average at least this many blocks.
 MIN_AVG_RUN = 4
 
 
@@ -27,6 +44,16 @@ def runs(ids: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist()))
 
 
+def joint_runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int]]:
+    """Position ranges where ``a`` and ``b`` are both consecutive integers."""
+    if a.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [a.size]))
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
 def use_runs(pool_runs: list[tuple[int, int]], n: int) -> bool:
     return len(pool_runs) * MIN_AVG_RUN <= n
 
@@ -37,20 +64,107 @@ def check_ids(ids: np.ndarray, rows: int) -> None:
         raise IndexError(f"block ids out of range [0, {rows})")
 
 
+def row_view(t: torch.Tensor) -> np.ndarray | None:
+    """A 1-D numpy array sharing ``t``'s memory with one ``void`` element per block row.
+
+    None when ``t`` is not a plain contiguous CPU tensor (the caller then uses torch ops).
+    """
+    if t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 or not t.is_contiguous():
+        return None
+    if t.is_conj() or t.is_neg():
+        return None
+    try:
+        raw = t.detach().reshape(t.shape[0], -1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
+    return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
+
+
+# ---- plan: the list of copy ops for one batch, shared by every layer --------------------
+
+
+def plan_copy(src_ids: np.ndarray, dst_ids: np.ndarray, pool_is_dst: bool) -> list[tuple]:
+    """Ops for ``dst[dst_ids] = src[src_ids]``, as tuples the ``apply_*`` functions run.
+
+    ``("slice", a, b, k)``: ``dst[b:b+k] = src[a:a+k]``.
+    ``("gather", idx, b)``: ``dst[b:b+len(idx)] = src[idx]`` (pool side is dst).
+    ``("scatter", a, idx)``: ``dst[idx] = src[a:a+len(idx)]`` (pool side is src).
+    ``("general", sidx, didx)``: ``dst[didx] = src[sidx]``.
+    """
+    n = int(src_ids.size)
+    if n == 0:
+        return []
+    both = joint_runs(src_ids, dst_ids)
+    if use_runs(both, n):
+        return [("slice", int(src_ids[i]), int(dst_ids[i]), j - i) for i, j in both]
+    pool_ids = dst_ids if pool_is_dst else src_ids
+    pool_runs = runs(pool_ids)
+    if use_runs(pool_runs, n):
+        if pool_is_dst:
+            return [("gather", src_ids[i:j], int(dst_ids[i])) for i, j in pool_runs]
+        return [("scatter", int(src_ids[i]), dst_ids[i:j]) for i, j in pool_runs]
+    return [("general", src_ids, dst_ids)]
+
+
+def apply_np(ops: Sequence[tuple], src: np.ndarray, dst: np.ndarray) -> None:
+    """Run ``plan_copy`` ops on ``row_view`` arrays (ids already range-checked)."""
+    for op in ops:
+        kind = op[0]
+        if kind == "slice":
+            _, a, b, k = op
+            dst[b : b + k] = src[a : a + k]
+        elif kind == "gather":
+            _, idx, b = op
+            # mode="clip" skips numpy's buffered bounds check; ids were checked already.
+            np.take(src, idx, out=dst[b : b + idx.size], mode="clip")
+        elif kind == "scatter":
+            _, a, idx = op
+            dst[idx] = src[a : a + idx.size]
+        else:
+            _, sidx, didx = op
+            dst[didx] = np.take(src, sidx, mode="clip")
+
+
+def apply_torch(ops: Sequence[tuple], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Run ``plan_copy`` ops with torch index ops (tensors with no ``row_view``)."""
+    for op in ops:
+        kind = op[0]
+        if kind == "slice":
+            _, a, b, k = op
+            dst[b : b + k].copy_(src[a : a + k])
+        elif kind == "gather":
+            _, idx, b = op
+            torch.index_select(src, 0, torch.from_numpy(idx), out=dst[b : b + idx.size])
+        elif kind == "scatter":
+            _, a, idx = op
+            dst.index_copy_(0, torch.from_numpy(idx), src[a : a + idx.size])
+        else:
+            _, sidx, didx = op
+            dst.index_copy_(0, torch.from_numpy(didx), src.index_select(0, torch.from_numpy(sidx)))
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, ops: Sequence[tuple],
+              src_np: np.ndarray | None = None, dst_np: np.ndarray | None = None) -> None:
+    if src_np is None:
+        src_np = row_view(src)
+    if dst_np is None:
+        dst_np = row_view(dst)
+    if src_np is not None and dst_np is not None and src_np.dtype == dst_np.dtype:
+        apply_np(ops, src_np, dst_np)
+    else:
+        apply_torch(ops, src, dst)
+
+
+# ---- public single-layer helpers (API kept) ----------------------------------------------
+
+
 def store_blocks(
     src: torch.Tensor, dst_pool: torch.Tensor, src_ids: np.ndarray, dst_ids: np.ndarray
 ) -> None:
     """``dst_pool[dst_ids] = src[src_ids]`` along dim 0, same device (CPU)."""
     check_ids(src_ids, src.shape[0])
     check_ids(dst_ids, dst_pool.shape[0])
-    src_idx = torch.from_numpy(src_ids)
-    pool_runs = runs(dst_ids)
-    if use_runs(pool_runs, src_ids.size):
-        for i, j in pool_runs:
-            a = int(dst_ids[i])
-            torch.index_select(src, 0, src_idx[i:j], out=dst_pool[a : a + (j - i)])
-    else:
-        dst_pool.index_copy_(0, torch.from_numpy(dst_ids), src.index_select(0, src_idx))
+    copy_rows(src, dst_pool, plan_copy(src_ids, dst_ids, pool_is_dst=True))
 
 
 def load_blocks(
@@ -59,11 +173,13 @@ def load_blocks(
     """``dst[dst_ids] = src_pool[src_ids]`` along dim 0, same device (CPU)."""
     check_ids(src_ids, src_pool.shape[0])
     check_ids(dst_ids, dst.shape[0])
-    dst_idx = torch.from_numpy(dst_ids)
-    pool_runs = runs(src_ids)
-    if use_runs(pool_runs, src_ids.size):
-        for i, j in pool_runs:
-            a = int(src_ids[i])
-            dst.index_copy_(0, dst_idx[i:j], src_pool[a : a + (j - i)])
-    else:
-        dst.index_copy_(0, dst_idx, src_pool.index_select(0, torch.from_numpy(src_ids)))
+    copy_rows(src_pool, dst, plan_copy(src_ids, dst_ids, pool_is_dst=False))
+
+
+def split_positions(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` near-equal position ranges covering ``[0, n)`` (empty ones dropped)."""
+    bounds = np.linspace(0, n, parts + 1).astype(np.int64).tolist()
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+Task = Callable[[], None]

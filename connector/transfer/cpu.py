@@ -1,23 +1,38 @@
 """Transfer handler for CPU-resident KV caches: copies on one named worker thread.
 
-Without CUDA the engine's "GPU" cache is a CPU tensor; copying on a thread (torch ops
-release the GIL) keeps the engine step from waiting for offload traffic. Jobs run in
-submission order, so completions are reported in that order too.
+Without CUDA the engine's "GPU" cache is a CPU tensor; copying on a thread (the numpy
+and torch copy ops release the GIL) keeps the engine step from waiting for offload
+traffic. Jobs run one at a time in submission order, so completions are reported in that
+order too. A large job is cut into chunks of block positions that the worker thread and
+``torch.get_num_threads() - 1`` helper threads take from a shared list (a plain torch
+copy of the same bytes also uses that many threads); the job completes only when every
+chunk has.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from connector.transfer.abstract import Direction, TransferHandler, TransferJob, TransferResult
-from connector.transfer.copy_ops import load_blocks, store_blocks
+from connector.transfer.copy_ops import check_ids, copy_rows, plan_copy, row_view, split_positions
 
 log = logging.getLogger(__name__)
+
+# Jobs smaller than this run on the worker thread alone (handing chunks to helper
+# threads costs tens of microseconds).
+PARALLEL_MIN_BYTES = 4 << 20
+# Chunks are at least this big, and at most CHUNKS_PER_THREAD per thread, so that a
+# thread that is descheduled (other processes on the cores) delays the job by a chunk.
+MIN_CHUNK_BYTES = 1 << 20
+CHUNKS_PER_THREAD = 4
 
 
 class CpuTransferHandler(TransferHandler):
@@ -34,6 +49,16 @@ class CpuTransferHandler(TransferHandler):
         self._engine = [engine_kv[k] for k in engine_kv]
         self._pool = [cpu_pool[k] for k in engine_kv]
         self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in self._engine)
+        # numpy row views, made once (None where a tensor has none: torch ops are used).
+        self._engine_np = [row_view(t) for t in self._engine]
+        self._pool_np = [row_view(t) for t in self._pool]
+        self._engine_rows = min((t.shape[0] for t in self._engine), default=0)
+        self._pool_rows = min((t.shape[0] for t in self._pool), default=0)
+        self._threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+        self._helpers = (
+            ThreadPoolExecutor(self._threads - 1, thread_name_prefix="kv-offload-copy")
+            if self._threads > 1 else None
+        )
         self._jobs: queue.SimpleQueue[TransferJob | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
         self._pending = 0
@@ -80,6 +105,8 @@ class CpuTransferHandler(TransferHandler):
         self._closed = True
         self._jobs.put(None)
         self._thread.join()
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
 
     def _run(self) -> None:
         while True:
@@ -103,9 +130,49 @@ class CpuTransferHandler(TransferHandler):
 
     def run_job(self, job: TransferJob) -> None:
         """The copy itself, synchronously (also used by benchmarks)."""
-        if job.direction is Direction.STORE:
-            for src, pool in zip(self._engine, self._pool):
-                store_blocks(src, pool, job.src_ids, job.dst_ids)
+        store = job.direction is Direction.STORE
+        src_rows, dst_rows = (self._engine_rows, self._pool_rows) if store else (self._pool_rows, self._engine_rows)
+        check_ids(job.src_ids, src_rows)
+        check_ids(job.dst_ids, dst_rows)
+        n = job.num_blocks
+        nbytes = n * self._bytes_per_block
+        if self._helpers is None or nbytes < PARALLEL_MIN_BYTES:
+            self._copy_range(job.src_ids, job.dst_ids, store)
+            return
+        nchunks = min(self._threads * CHUNKS_PER_THREAD, max(1, nbytes // MIN_CHUNK_BYTES), n)
+        chunks = iter(split_positions(n, nchunks))
+        lock = threading.Lock()
+
+        def drain() -> None:
+            while True:
+                with lock:
+                    r = next(chunks, None)
+                if r is None:
+                    return
+                lo, hi = r
+                self._copy_range(job.src_ids[lo:hi], job.dst_ids[lo:hi], store)
+
+        futures = [self._helpers.submit(drain) for _ in range(self._threads - 1)]
+        err: BaseException | None = None
+        try:
+            drain()
+        except BaseException as e:  # wait for the helpers before failing the job
+            err = e
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def _copy_range(self, src_ids: np.ndarray, dst_ids: np.ndarray, store: bool) -> None:
+        ops = plan_copy(src_ids, dst_ids, pool_is_dst=store)
+        if not ops:
+            return
+        if store:
+            pairs = zip(self._engine, self._pool, self._engine_np, self._pool_np)
         else:
-            for pool, dst in zip(self._pool, self._engine):
-                load_blocks(pool, dst, job.src_ids, job.dst_ids)
+            pairs = zip(self._pool, self._engine, self._pool_np, self._engine_np)
+        for src, dst, src_np, dst_np in pairs:
+            copy_rows(src, dst, ops, src_np, dst_np)

@@ -61,3 +61,24 @@ class BodyDecoder:
 
 
 decode_lookup = BodyDecoder(LookupBody)
+
+
+class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
+    waiting: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    running: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    kv_usage: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+
+
+class CandidateBody(msgspec.Struct, forbid_unknown_fields=True):
+    pod: str
+    load: LoadBody | None = None
+
+
+class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: list[TokenId]
+    model: str | None = None
+    lora_name: str | None = None
+    candidates: list[CandidateBody] | None = None
+
+
+decode_route = BodyDecoder(RouteBody)

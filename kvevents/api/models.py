@@ -25,6 +25,40 @@ class LookupRequest(_Strict):
     lora_name: str | None = Field(None, description="LoRA adapter the prompt runs under.")
 
 
+class LoadIn(_Strict):
+    waiting: float = Field(0.0, ge=0, description="Requests queued.")
+    running: float = Field(0.0, ge=0, description="Requests running.")
+    kv_usage: float = Field(0.0, ge=0, le=1, description="Fraction of GPU KV blocks in use.")
+
+
+class CandidateIn(_Strict):
+    pod: str
+    load: LoadIn | None = None
+
+
+class RouteRequest(LookupRequest):
+    candidates: list[CandidateIn] | None = Field(
+        None, description="Engines to choose from, with their load; default: every pod not down.")
+
+
+class PodScoreOut(BaseModel):
+    pod: str
+    score: float
+    cache_score: float
+    load: float
+    matched_tokens: int
+    tiers: dict[str, int]
+    eligible: bool = Field(description="False when the load guard excluded it.")
+
+
+class RouteResponse(BaseModel):
+    pod: str
+    matched_tokens: int
+    tiers: dict[str, int]
+    scores: list[PodScoreOut]
+    reason: str
+
+
 class PodMatchOut(BaseModel):
     pod: str
     matched_tokens: int = Field(description="Leading prompt tokens cached in any tier.")
@@ -63,6 +97,12 @@ class PodOut(BaseModel):
     restarts: int
     resyncs: int
     malformed: int
+
+
+class PodBlocksResponse(BaseModel):
+    pod: str
+    tiers: dict[str, list[int | str]] = Field(
+        description="Per tier, the resident engine block hashes (ints, or hex for digests).")
 
 
 class PodsResponse(BaseModel):

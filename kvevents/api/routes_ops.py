@@ -40,6 +40,7 @@ def summary(agg: Aggregator) -> dict:
     return {"ts": time.time(), "pods": agg.pod_statuses(),
             "index": {"entries": counters.resident_entries,
                       "distinct_blocks": counters.distinct_blocks},
+            "lookups": {**agg.metrics.totals, "tier_tokens": dict(agg.metrics.tier_totals)},
             "feed_id": agg.feed.last_id}
 
 

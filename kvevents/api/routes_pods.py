@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from kvevents.aggregator import Aggregator, PodExistsError
 from kvevents.api.auth import require_token
 from kvevents.api.errors import ApiError
-from kvevents.api.models import ERRORS, PodCreate, PodsResponse
+from kvevents.api.models import ERRORS, PodBlocksResponse, PodCreate, PodsResponse
 from kvevents.settings import PodSpec
 
 router = APIRouter(prefix="/v1/pods", tags=["pods"])
@@ -48,3 +48,16 @@ def delete_pod(name: str, agg: Aggregator = Depends(get_aggregator)) -> Response
     except KeyError:
         raise ApiError(404, f"unknown pod {name!r}", "name") from None
     return Response(status_code=204)
+
+
+@router.get("/{name}/blocks", response_model=PodBlocksResponse, responses=ERRORS,
+            summary="What a pod holds: its resident engine block hashes per tier")
+def pod_blocks(name: str, agg: Aggregator = Depends(get_aggregator)) -> dict:
+    if name not in {spec.name for spec in agg.pod_specs()}:
+        raise ApiError(404, f"unknown pod {name!r}", "name")
+    tiers = agg.index.engine_hashes(name)
+    # JSON-safe: uint64 hashes stay numbers, digest bytes become hex strings.
+    return {"pod": name, "tiers": {
+        tier: sorted((h if isinstance(h, int) else h.hex() for h in hashes),
+                     key=lambda x: (isinstance(x, str), x))
+        for tier, hashes in tiers.items()}}

@@ -30,6 +30,7 @@ are handled as token-less events or counted. Unknown removals are counted.
 from __future__ import annotations
 
 import array
+import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -60,6 +61,11 @@ from .results import (
 from .store import Residency
 
 _FIRST_CHUNK = 128  # blocks keyed before the first early-exit check in lookup
+_ALL_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Token lists are packed with struct in pieces of this many ints: far faster than
+# array/np.array on a list, and small enough that no piece needs a fresh mmap.
+_PACK = 4096
+_packers: dict[int, struct.Struct] = {}
 
 
 def feeds_prefix_matching(event: BlockStored | BlockRemoved) -> bool:
@@ -222,7 +228,10 @@ class PrefixIndex:
         store = self._store
         if bs > 0 and len(ev.token_ids) >= n * bs:
             ns = self._namespace(model, bs, lora)
-            toks = np.array(ev.token_ids[: n * bs], dtype=np.int64)
+            try:
+                toks = _as_int64(ev.token_ids[: n * bs])
+            except (TypeError, ValueError, OverflowError):
+                toks = np.array(ev.token_ids[: n * bs], dtype=np.int64)
             if ev.parent_block_hash is None:
                 start, parent_key, depth0 = self._ns_root[ns], 0, 1
             else:
@@ -316,30 +325,37 @@ class PrefixIndex:
                 i for i, (m, bs, lo) in enumerate(self._ns)
                 if bs > 0 and lo == lora_name and (model is None or m == model)
             ]
-            best: dict[int, tuple[int, int, dict[int, int], int]] = {}
+            best: dict[int, tuple[int, dict[int, int], int]] = {}
             block_size = self._ns[spaces[0]][1] if spaces else 0
             for ns in spaces:
                 bs = self._ns[ns][1]
                 if n_tok < bs:
                     continue
-                for pid, (blocks, tiers) in self._match(toks, ns, bs).items():
+                m = self._match(toks, ns, bs)
+                if not best:
+                    best = {pid: (blocks * bs, tiers, bs) for pid, (blocks, tiers) in m.items()}
+                    continue
+                for pid, (blocks, tiers) in m.items():
                     t = blocks * bs
                     cur = best.get(pid)
                     if cur is None or t > cur[0]:
-                        best[pid] = (t, blocks, tiers, bs)
+                        best[pid] = (t, tiers, bs)
             names = self._pod_name
             tn = self._tier_name
-            pods = [
-                PodMatch(
-                    pod=names[pid],  # type: ignore[arg-type]
-                    tokens=t,
-                    tiers={tn[tid]: b * bs for tid, b in tiers.items() if b},
-                    block_size=bs,
-                )
-                for pid, (t, _, tiers, bs) in best.items()
-                if t > 0 and names[pid] is not None
-            ]
-        pods.sort(key=lambda p: (-p.tokens, p.pod))
+            # Sort plain tuples (C comparisons), then build the Structs in order; pods
+            # with equal per-tier runs share one template dict, copied per pod.
+            # (Pod names are unique, so comparisons never reach the third element.)
+            order = sorted(
+                [(-t, names[pid], tb) for pid, (t, *tb) in best.items() if t > 0 and names[pid] is not None]
+            )
+            templates: dict[tuple[int, int], dict[str, int]] = {}
+            pods = []
+            for negt, name, (tiers, bs) in order:
+                tk = (id(tiers), bs)
+                tmpl = templates.get(tk)
+                if tmpl is None:
+                    tmpl = templates[tk] = {tn[tid]: b * bs for tid, b in tiers.items() if b}
+                pods.append(PodMatch(name, -negt, dict(tmpl), bs))  # type: ignore[arg-type]
         if pods:
             block_size = pods[0].block_size
         return LookupResult(
@@ -347,54 +363,89 @@ class PrefixIndex:
         )
 
     def _match(self, toks: Sequence[int] | np.ndarray, ns: int, bs: int) -> dict[int, tuple[int, dict[int, int]]]:
-        """{pod id: (leading blocks in any tier, {tier id: leading blocks})}."""
+        """{pod id: (leading blocks in any tier, {tier id: leading blocks})}.
+
+        All tiers are handled at once: one gather of every tier's masks per chunk, one
+        running AND over (any tier, tier 0, tier 1, ...) columns, and Python work only
+        for the rows where some pod's run ends. With a single tier, "any tier" is that
+        tier and is not computed twice.
+        """
         store = self._store
         masks = store.masks
         words = store.words
         n_blocks = len(toks) // bs
         ntier = len(masks)
-        # Running "still matching" masks: index 0 = any tier, 1.. = each tier.
-        carry = np.full((ntier + 1, words), np.uint64(0xFFFFFFFFFFFFFFFF), dtype=np.uint64)
-        ends: list[dict[int, int]] = [{} for _ in range(ntier + 1)]
+        if ntier == 0 or n_blocks == 0:
+            return {}
+        ncol = 1 if ntier == 1 else ntier + 1  # column groups: any, then per tier
+        carry = np.full((1, ncol * words), _ALL_ONES, dtype=np.uint64)
+        ends: list[dict[int, int]] = [{} for _ in range(ncol)]
         start = self._ns_root[ns]
+        hasher = self._hasher
+        content = store.content
         off = 0
         chunk = _FIRST_CHUNK
         while off < n_blocks:
             c = min(chunk, n_blocks - off)
-            keys = self._hasher.keys(start, _as_int64(toks[off * bs : (off + c) * bs]), bs)
+            keys = hasher.keys(start, _as_int64(toks[off * bs : (off + c) * bs]), bs)
             start = int(keys[-1])
-            slots = store.content.get(keys)
-            miss = np.flatnonzero(slots < 0)
+            slots = content.get(keys)
             stop = False
-            if miss.size:
-                c = int(miss[0])
+            if np.count_nonzero(slots >= 0) != c:
+                c = int(np.argmin(slots >= 0))
                 slots = slots[:c]
                 stop = True
             if c:
-                per_tier = [m[slots] for m in masks]  # each (c, words)
-                anym = per_tier[0].copy()
-                for m in per_tier[1:]:
-                    anym |= m
-                for j, m in enumerate([anym, *per_tier]):
-                    run = np.bitwise_and.accumulate(
-                        np.concatenate([carry[j : j + 1], m]), axis=0
-                    )
-                    dropped = run[:-1] & ~run[1:]  # bits whose run ends at row i
-                    for r in np.flatnonzero(dropped.any(axis=1)).tolist():
-                        if off + r:  # runs of length 0 are not matches
-                            _record(ends[j], dropped[r], off + r)
-                    carry[j] = run[-1]
+                if ntier == 1:
+                    g = masks[0][slots]  # (c, words)
+                else:
+                    per = [m[slots] for m in masks]
+                    anym = np.bitwise_or.reduce(per) if ntier > 1 else per[0]
+                    g = np.concatenate([anym, *per], axis=1)  # (c, ncol * words)
+                run = np.bitwise_and.accumulate(np.concatenate([carry, g]), axis=0)
+                if words == 1 and ncol == 1:
+                    changed = np.flatnonzero(run[1:, 0] != run[:-1, 0])
+                else:
+                    changed = np.flatnonzero((run[1:] != run[:-1]).any(axis=1))
+                if changed.size:
+                    before = run[changed].tolist()
+                    after = run[changed + 1].tolist()
+                    for r, b_row, a_row in zip(changed.tolist(), before, after):
+                        length = off + r
+                        if not length:
+                            continue  # runs of length 0 are not matches
+                        for col in range(ncol * words):
+                            dropped = b_row[col] & ~a_row[col]
+                            if dropped:
+                                j, w = divmod(col, words)
+                                _record_bits(ends[j], dropped, w * 64, length)
+                carry = run[-1:]
             off += c
-            if stop or not carry[0].any():
+            if stop or not carry[0, :words].any():
                 break
             chunk *= 4
         if off:
-            for j in range(ntier + 1):
-                _record(ends[j], carry[j], off)
+            crow = carry[0].tolist()
+            for col in range(ncol * words):
+                if crow[col]:
+                    j, w = divmod(col, words)
+                    _record_bits(ends[j], crow[col], w * 64, off)
         out: dict[int, tuple[int, dict[int, int]]] = {}
-        for pid, blocks in ends[0].items():
-            if blocks:
-                out[pid] = (blocks, {t: ends[t + 1].get(pid, 0) for t in range(ntier)})
+        # Pods with identical runs share one (read-only) tiers dict.
+        shared: dict[tuple[int, ...], dict[int, int]] = {}
+        if ncol == 1:
+            for pid, blocks in ends[0].items():
+                d = shared.get((blocks,))
+                if d is None:
+                    d = shared[(blocks,)] = {0: blocks}
+                out[pid] = (blocks, d)
+        else:
+            for pid, blocks in ends[0].items():
+                runs = tuple([ends[t + 1].get(pid, 0) for t in range(ntier)])
+                d = shared.get(runs)
+                if d is None:
+                    d = shared[runs] = dict(enumerate(runs))
+                out[pid] = (blocks, d)
         return out
 
     # ------------------------------------------------------------------ queries
@@ -539,21 +590,39 @@ class PrefixIndex:
 
 
 def _as_int64(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as an int64 array; array.array converts a list about 2x faster than
-    np.asarray does."""
+    """Token ids as an int64 array. ``struct.pack`` over pieces of a list is 2-3x
+    faster than ``array.array`` / ``np.asarray`` (which box-check item by item through
+    slower paths); anything struct refuses (non-ints, out of range) falls back to the
+    array conversion, which raises or converts exactly as before."""
     if isinstance(tokens, np.ndarray):
         return tokens.astype(np.int64, copy=False)
-    return np.frombuffer(array.array("q", tokens), dtype=np.int64)
+    n = len(tokens)
+    try:
+        if n <= _PACK:
+            p = _packers.get(n)
+            if p is None:
+                p = _packers[n] = struct.Struct(f"={n}q")
+            return np.frombuffer(p.pack(*tokens), dtype=np.int64)
+        parts = []
+        for i in range(0, n, _PACK):
+            piece = tokens[i : i + _PACK]
+            m = len(piece)
+            p = _packers.get(m)
+            if p is None:
+                p = _packers[m] = struct.Struct(f"={m}q")
+            parts.append(p.pack(*piece))
+        return np.frombuffer(b"".join(parts), dtype=np.int64)
+    except (struct.error, TypeError):
+        return np.frombuffer(array.array("q", tokens), dtype=np.int64)
 
 
-def _record(ends: dict[int, int], bits_row: np.ndarray, length: int) -> None:
-    """Set ``ends[pod] = length`` for each pod bit in ``bits_row`` not yet recorded."""
-    for w, word in enumerate(bits_row.tolist()):
-        while word:
-            low = word & -word
-            pid = w * 64 + low.bit_length() - 1
-            ends.setdefault(pid, length)
-            word ^= low
+def _record_bits(ends: dict[int, int], word: int, base: int, length: int) -> None:
+    """Set ``ends[base + bit] = length`` for each set bit of ``word`` (a pod's run
+    ends once: its bit drops out of the running AND for good)."""
+    while word:
+        low = word & -word
+        ends[base + low.bit_length() - 1] = length
+        word ^= low
 
 
 def _one_block(ev: BlockStored, i: int) -> BlockStored:

@@ -1,0 +1,194 @@
+"""An engine process: the paged-KV engine with its CPU tier, serving requests.
+
+    python -m connector.engine.process --name engine-0 --events-port 5557 \
+        --replay-port 5558 --rpc-port 5560 --metrics-port 9100
+
+What it does, like an inference server would:
+
+* publishes its KV events (GPU tier from the block pool, CPU tier from the offloading
+  connector, self-describing) on a PUB socket ``tcp://BIND:events-port`` with a replay
+  ROUTER on ``replay-port`` — exactly what a vLLM engine started with
+  ``--kv-events-config`` exposes, so any aggregator can follow it;
+* serves ``/metrics`` on ``metrics-port`` (see :mod:`connector.engine.metrics`);
+* takes requests on a ROUTER socket (``rpc-port``; clients use DEALER) — msgpack maps:
+
+  ``{"op": "submit", "id", "token_ids", "max_new_tokens", "arrival"}`` -> later
+  ``{"op": "done", "id", "ttft", "prompt_tokens", "gpu_hit_tokens", "cpu_hit_tokens",
+  "computed_tokens", "finish"}``; ``{"op": "load"}`` -> ``{"op": "load", waiting,
+  running, kv_usage}``; ``{"op": "drain"}`` -> runs until idle and every copy landed,
+  then ``{"op": "drained", "last_seq", "published", "dropped", "kv_mismatches",
+  "verified_blocks", "offload": {...}}``; ``{"op": "contents"}`` -> the true resident
+  engine block hashes per tier; ``{"op": "stop"}`` -> ``{"op": "stopped"}``, then exit.
+
+A malformed request is answered ``{"op": "error", "error": ...}`` and changes nothing.
+SIGTERM/SIGINT stop the loop; sockets, publisher and transfer threads are closed in
+``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+import msgspec
+import zmq
+from prometheus_client import CollectorRegistry, start_http_server
+
+from connector.config import OffloadConfig
+from connector.engine.config import EngineConfig
+from connector.engine.engine import PagedEngine
+from connector.engine.metrics import CountingPublisher, EngineMetrics
+from kvevents.publisher import PublisherConfig, ZmqEventPublisher
+
+log = logging.getLogger("kvevents.engine")
+
+
+class EngineServer:
+    """Owns the engine, its publisher, the RPC socket and the metrics endpoint."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.name = args.name
+        self.publisher = CountingPublisher(ZmqEventPublisher(PublisherConfig(
+            endpoint=f"tcp://{args.bind}:{args.events_port}",
+            replay_endpoint=f"tcp://{args.bind}:{args.replay_port}",
+            topic=args.topic,
+            bind=True,  # an engine owns its endpoints, whatever address it is given
+        )))
+        offload = None
+        if args.cpu_blocks > 0:
+            offload = OffloadConfig(cpu_capacity_blocks=args.cpu_blocks,
+                                    offloaded_block_size=args.offloaded_block_size,
+                                    eviction_policy=args.eviction_policy)
+        self.engine = PagedEngine(
+            EngineConfig(num_gpu_blocks=args.gpu_blocks,
+                         max_num_batched_tokens=args.max_batched_tokens),
+            offload=offload, publisher=self.publisher,
+        )
+        self.registry = CollectorRegistry()
+        self.metrics = EngineMetrics(self.name, self.engine, self.publisher, self.registry)
+        if args.metrics_port:
+            start_http_server(args.metrics_port, addr=args.metrics_addr, registry=self.registry)
+        self.ctx = zmq.Context.instance()
+        self.rpc = self.ctx.socket(zmq.ROUTER)
+        self.rpc.setsockopt(zmq.LINGER, 0)
+        self.rpc.bind(f"tcp://{args.bind}:{args.rpc_port}")
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(dict)
+        self._clients: dict[str, bytes] = {}  # request id -> client identity
+        self.running = True
+
+    def reply(self, ident: bytes, msg: dict[str, Any]) -> None:
+        self.rpc.send_multipart((ident, self._enc.encode(msg)))
+
+    def handle(self, ident: bytes, payload: bytes) -> None:
+        try:
+            msg = self._dec.decode(payload)
+            op = msg["op"]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            self.reply(ident, {"op": "error", "error": "expected a msgpack map with 'op'"})
+            return
+        try:
+            if op == "submit":
+                self.engine.add_request(str(msg["id"]), msg["token_ids"],
+                                        int(msg.get("max_new_tokens", 1)), msg.get("arrival"))
+                self._clients[str(msg["id"])] = ident
+            elif op == "load":
+                self.reply(ident, {"op": "load", **self.engine.load()})
+            elif op == "drain":
+                for result in self.engine.run_until_idle():
+                    self.done(result)
+                stats = self.publisher.stats()
+                self.reply(ident, {
+                    "op": "drained", "last_seq": stats.next_seq - 1, "published": stats.published,
+                    "dropped": stats.dropped, "kv_mismatches": self.engine.kv_mismatches,
+                    "verified_blocks": self.engine.verified_blocks,
+                    "offload": self.engine.offload_stats(),
+                })
+            elif op == "contents":
+                self.reply(ident, {"op": "contents", "tiers": {
+                    tier: sorted(hashes) for tier, hashes in self.engine.cache_contents().items()}})
+            elif op == "stop":
+                self.running = False
+                self.reply(ident, {"op": "stopped"})
+            else:
+                self.reply(ident, {"op": "error", "error": f"unknown op {op!r}"})
+        except (KeyError, ValueError, TypeError) as exc:
+            self.reply(ident, {"op": "error", "error": f"{op}: {exc}"})
+
+    def done(self, result) -> None:
+        self.metrics.observe(result)
+        ident = self._clients.pop(result.request_id, None)
+        if ident is not None:
+            self.reply(ident, {
+                "op": "done", "id": result.request_id, "ttft": result.ttft,
+                "prompt_tokens": result.num_prompt_tokens,
+                "gpu_hit_tokens": result.num_gpu_cached_tokens,
+                "cpu_hit_tokens": result.num_cpu_loaded_tokens,
+                "computed_tokens": result.num_computed_prompt_tokens,
+                "finish": result.finish_time,
+            })
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.rpc, zmq.POLLIN)
+        try:
+            while self.running:
+                busy = self.engine.has_work()
+                if poller.poll(0 if busy else 50):
+                    # Take every waiting request before stepping, so one step sees them.
+                    while True:
+                        try:
+                            ident, payload = self.rpc.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        except ValueError:  # wrong frame count
+                            continue
+                        self.handle(ident, payload)
+                if self.engine.has_work():
+                    for result in self.engine.step():
+                        self.done(result)
+        finally:
+            self.engine.shutdown()
+            self.publisher.shutdown(2.0)
+            self.rpc.close(0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--name", required=True)
+    p.add_argument("--bind", default="*", help="address to bind sockets on (default all)")
+    p.add_argument("--events-port", type=int, default=5557)
+    p.add_argument("--replay-port", type=int, default=5558)
+    p.add_argument("--rpc-port", type=int, default=5560)
+    p.add_argument("--metrics-port", type=int, default=9100, help="0 disables /metrics")
+    p.add_argument("--metrics-addr", default="0.0.0.0")
+    p.add_argument("--topic", default="")
+    p.add_argument("--gpu-blocks", type=int, default=2048)
+    p.add_argument("--cpu-blocks", type=int, default=2048,
+                   help="CPU tier capacity in offloaded blocks; 0 disables the CPU tier")
+    p.add_argument("--offloaded-block-size", type=int, default=None,
+                   help="tokens per offloaded block (a multiple of the engine block size)")
+    p.add_argument("--eviction-policy", choices=["lru", "arc"], default="lru")
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    server = EngineServer(parse_args(argv))
+
+    def _stop(*_: object) -> None:
+        server.running = False
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"READY {server.name}", flush=True)
+    server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

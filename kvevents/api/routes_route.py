@@ -1,0 +1,57 @@
+"""``POST /v1/route``: pick the engine for a prompt (KV-aware policy)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter, Depends, Response
+
+from kvevents.aggregator import Aggregator
+from kvevents.api.body import RouteBody, decode_route
+from kvevents.api.errors import ApiError
+from kvevents.api.models import ERRORS, RouteRequest, RouteResponse
+from kvevents.api.routes_pods import get_aggregator
+from kvevents.api.routes_query import body_doc, check_prompt, json_response
+from kvevents.router import Candidate, EngineLoad
+
+router = APIRouter(prefix="/v1", tags=["routing"])
+
+
+def candidates_of(body: RouteBody, agg: Aggregator) -> list[Candidate]:
+    """The request's candidates, each checked against the followed pods; by default
+    every pod that is not down, with no load."""
+    known = {p["name"]: p["status"] for p in agg.pod_statuses()}
+    if body.candidates is None:
+        pods = [name for name, status in known.items() if status != "down"] or list(known)
+        if not pods:
+            raise ApiError(422, "the aggregator follows no pods; pass candidates", "candidates")
+        return [Candidate(p) for p in pods]
+    if not body.candidates:
+        raise ApiError(422, "candidates must not be empty", "candidates")
+    out = []
+    seen = set()
+    for i, c in enumerate(body.candidates):
+        if c.pod not in known:
+            raise ApiError(422, f"unknown pod {c.pod!r}", f"candidates[{i}].pod")
+        if c.pod in seen:
+            raise ApiError(422, f"pod {c.pod!r} listed twice", f"candidates[{i}].pod")
+        seen.add(c.pod)
+        load = EngineLoad(c.load.waiting, c.load.running, c.load.kv_usage) if c.load else EngineLoad()
+        out.append(Candidate(c.pod, load))
+    return out
+
+
+@router.post("/route", response_model=RouteResponse, responses=ERRORS,
+             openapi_extra=body_doc(RouteRequest),
+             summary="Choose the engine for a prompt: longest cached prefix per tier vs load")
+async def route(body: RouteBody = Depends(decode_route),
+                agg: Aggregator = Depends(get_aggregator)) -> Response:
+    check_prompt(body.token_ids, agg)
+    candidates = candidates_of(body, agg)
+    lookup = agg.lookup(body.token_ids, model=body.model, lora_name=body.lora_name,
+                        endpoint="route")
+    decision = agg.router.choose(body.token_ids, lookup, candidates)
+    return json_response({
+        "pod": decision.pod, "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,
+        "scores": [dataclasses.asdict(s) for s in decision.scores], "reason": decision.reason,
+    })

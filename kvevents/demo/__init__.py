@@ -1,0 +1,129 @@
+"""``kvevents demo``: a live KV-aware fleet on one machine.
+
+Starts N engine processes (paged-KV engine + offloading connector with a CPU tier,
+publishing KV events like vLLM), the aggregator with its live page on ``--port``, and
+a router that sends a workload through the aggregator's ``/v1/route``. At the end it
+checks that nothing was lost and that the aggregator's index equals every engine's
+cache, prints a summary and writes it as JSON. Exit status 1 if anything was lost or
+mismatched, 130 on Ctrl-C (every child process is stopped either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+
+import httpx
+
+from kvevents.demo.driver import Driver
+from kvevents.demo.fleet import Fleet
+from kvevents.demo.workload import builtin, mooncake_trace
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--duration", type=float, default=40.0,
+                   help="wall-clock seconds over which the workload's arrivals are spread")
+    p.add_argument("--policy", choices=["kv", "round_robin", "least_loaded"], default="kv")
+    p.add_argument("--no-cpu-tier", action="store_true", help="engines without the CPU tier")
+    p.add_argument("--port", type=int, default=8000, help="aggregator HTTP port (live page at /)")
+    p.add_argument("--summary-json", default=None, help="write the summary here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, default=240, help="built-in workload size")
+    p.add_argument("--trace", default=None, help="replay a Mooncake-format JSONL trace")
+    p.add_argument("--max-requests", type=int, default=300, help="with --trace: first N requests")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="with --trace: simulated seconds per wall second (default: fit --duration)")
+    p.add_argument("--gpu-blocks", type=int, default=4096, help="GPU KV blocks per engine (16 tokens)")
+    p.add_argument("--cpu-blocks", type=int, default=4096, help="CPU tier offloaded blocks per engine")
+    p.add_argument("--offloaded-block-size", type=int, default=64, help="tokens per offloaded block")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--log-dir", default=None, help="child process logs (default: a temp dir)")
+
+
+def print_summary(s: dict) -> None:
+    rows = [
+        ("engines / policy / CPU tier", f"{s['engines']} / {s['policy']} / {'on' if s['cpu_tier'] else 'off'}"),
+        ("requests (per engine)", f"{s['requests']} ({', '.join(map(str, s['requests_per_engine'].values()))})"),
+        ("prompt tokens", f"{s['prompt_tokens']:,}"),
+        ("hit tokens GPU / CPU", f"{s['hit_tokens']['GPU']:,} / {s['hit_tokens']['CPU']:,}"
+                                 f" ({(s['hit_tokens']['GPU'] + s['hit_tokens']['CPU']) / max(s['prompt_tokens'], 1):.1%})"),
+        ("prefill tokens computed", f"{s['computed_prefill_tokens']:,}"),
+        ("TTFT p50 / p99 (simulated)", f"{s['ttft_seconds']['p50']:.3f} s / {s['ttft_seconds']['p99']:.3f} s"),
+        ("offload stored / loaded", f"{s['offload']['stored_bytes'] / 1e6:,.1f} MB @ {s['offload']['store_gbps']:.2f} GB/s"
+                                    f" / {s['offload']['loaded_bytes'] / 1e6:,.1f} MB @ {s['offload']['load_gbps']:.2f} GB/s"),
+        ("KV blocks verified / mismatched", f"{s['verified_blocks']:,} / {s['kv_mismatches']}"),
+        ("events published / applied", f"{s['events']['published']:,} / {s['events']['applied']:,}"),
+        ("gaps / replayed / lost", f"{s['events']['gaps']} / {s['events']['replayed']} / {s['events']['lost']}"),
+        ("index vs engines mismatches", f"{s['index_mismatches']}"),
+        ("wall time", f"{s['wall_seconds']} s"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    print()
+    for k, v in rows:
+        print(f"  {k.ljust(w)}  {v}")
+    print()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.trace:
+        requests = mooncake_trace(args.trace, args.max_requests)
+    else:
+        requests = builtin(args.requests, seed=args.seed)
+    if not requests:
+        print("no requests to run", file=sys.stderr)
+        return 2
+    wall = args.duration
+    if args.trace and args.time_scale:
+        wall = requests[-1].arrival / args.time_scale
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvevents-demo-")
+    fleet = Fleet(args.engines, args.port, not args.no_cpu_tier, gpu_blocks=args.gpu_blocks,
+                  cpu_blocks=args.cpu_blocks, offloaded_block_size=args.offloaded_block_size,
+                  log_dir=log_dir)
+    driver = None
+    try:
+        print(f"starting {args.engines} engines and the aggregator (logs in {log_dir}) ...", flush=True)
+        fleet.wait_engines_ready()
+        url = f"http://127.0.0.1:{args.port}"
+        deadline = time.monotonic() + 60
+        while True:
+            fleet.check_alive()
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the aggregator did not start")
+            time.sleep(0.2)
+        print(f"live page: {url}/   (API docs: {url}/docs, metrics: {url}/metrics)", flush=True)
+        print(f"routing {len(requests)} requests with policy {args.policy!r} over ~{wall:.0f} s", flush=True)
+        driver = Driver(fleet, requests, args.policy, wall, progress=not args.no_progress)
+        elapsed = driver.run()
+        print("waiting for the event stream to quiesce ...", flush=True)
+        drained = driver.quiesce()
+        mismatches = driver.index_mismatches()
+        summary = driver.summary(drained, mismatches, elapsed, not args.no_cpu_tier)
+        summary["workload"] = args.trace or "builtin"
+        print_summary(summary)
+        if args.summary_json:
+            with open(args.summary_json, "w") as f:
+                json.dump(summary, f, indent=2)
+            print(f"summary written to {args.summary_json}")
+        ok = (summary["events"]["lost"] == 0 and summary["index_mismatches"] == 0
+              and summary["kv_mismatches"] == 0 and summary["events"]["dropped_at_publish"] == 0)
+        print("OK: nothing lost, the index equals every engine's cache" if ok
+              else "FAILED: something was lost or mismatched (see above)")
+        return 0 if ok else 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping every process", file=sys.stderr)
+        return 130
+    finally:
+        if driver is not None:
+            driver.close()
+        fleet.close()

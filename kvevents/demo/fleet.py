@@ -1,0 +1,159 @@
+"""The demo's processes: N engine processes and one aggregator, on this machine.
+
+Engines are started as ``python -m connector.engine.process`` (the engine side, with
+torch, lives only in those processes; this module never imports it) and the aggregator
+as ``kvevents serve``. Every child gets its own process group so Ctrl-C in the terminal
+reaches the demo only, and :meth:`Fleet.close` stops them all (SIGTERM, then SIGKILL
+after a grace period): no orphans.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class EnginePorts:
+    events: int
+    replay: int
+    rpc: int
+    metrics: int
+
+
+class EngineClient:
+    """RPC to one engine process over a DEALER socket (see connector/engine/process.py)."""
+
+    def __init__(self, ctx: zmq.Context, name: str, ports: EnginePorts) -> None:
+        self.name = name
+        self.ports = ports
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{ports.rpc}")
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(dict)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.send(self._enc.encode(msg))
+
+    def recv(self, timeout_ms: int | None = None) -> dict[str, Any] | None:
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return self._dec.decode(self.sock.recv())
+
+    def call(self, msg: dict[str, Any], reply_op: str, timeout_s: float,
+             on_other=None) -> dict[str, Any]:
+        """Send ``msg`` and wait for the reply ``reply_op``; other messages (request
+        completions) go to ``on_other``. Raises ``TimeoutError``."""
+        self.send(msg)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no {reply_op!r} reply in {timeout_s:g}s")
+            reply = self.recv(int(left * 1000))
+            if reply is None:
+                continue
+            if reply.get("op") == reply_op:
+                return reply
+            if reply.get("op") == "error":
+                raise RuntimeError(f"{self.name}: {reply.get('error')}")
+            if on_other is not None:
+                on_other(self, reply)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class Fleet:
+    """Starts and stops the demo's child processes."""
+
+    def __init__(self, n_engines: int, port: int, cpu_tier: bool, *, gpu_blocks: int,
+                 cpu_blocks: int, offloaded_block_size: int, log_dir: str) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ctx = zmq.Context.instance()
+        self.engines: list[EngineClient] = []
+        self.port = port
+        self.log_dir = log_dir
+        os.makedirs(log_dir, exist_ok=True)
+        self._logs = []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        for i in range(n_engines):
+            name = f"engine-{i}"
+            ports = EnginePorts(free_port(), free_port(), free_port(), free_port())
+            cmd = [sys.executable, "-m", "connector.engine.process", "--name", name,
+                   "--bind", "127.0.0.1", "--events-port", str(ports.events),
+                   "--replay-port", str(ports.replay), "--rpc-port", str(ports.rpc),
+                   "--metrics-port", str(ports.metrics), "--metrics-addr", "127.0.0.1",
+                   "--gpu-blocks", str(gpu_blocks),
+                   "--cpu-blocks", str(cpu_blocks if cpu_tier else 0),
+                   "--offloaded-block-size", str(offloaded_block_size)]
+            self._spawn(name, cmd, env)
+            self.engines.append(EngineClient(self.ctx, name, ports))
+        cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(port)]
+        for e in self.engines:
+            cmd += ["--endpoint", f"{e.name}=tcp://127.0.0.1:{e.ports.events},"
+                                  f"replay=tcp://127.0.0.1:{e.ports.replay}"]
+        self._spawn("aggregator", cmd, env)
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "w")
+        self._logs.append(log)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {p.returncode}; "
+                                   f"see {os.path.join(self.log_dir, name + '.log')}")
+
+    def wait_engines_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        for e in self.engines:
+            while True:
+                self.check_alive()
+                try:
+                    e.call({"op": "load"}, "load", 1.0)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+
+    def close(self, grace_s: float = 5.0) -> None:
+        for e in self.engines:
+            e.close()
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(5)
+        for log in self._logs:
+            log.close()

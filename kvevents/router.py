@@ -1,0 +1,192 @@
+"""Routing policies: where to send a prompt, given what each engine has cached and its load.
+
+All policies take the same inputs — the index's :class:`~kvevents.index.LookupResult`
+for the prompt and the candidate engines with their load — and return a
+:class:`RouteDecision` that says why. They hold no sockets and no locks; the KV-aware
+one is used in process by the demo and over HTTP by ``POST /v1/route``.
+
+KV-aware scoring, per candidate::
+
+    cache = (w_GPU * gpu_run + w_CPU * (any_tier_run - gpu_run)) / prompt_tokens
+    load  = waiting + running + kv_weight * kv_usage
+    score = cache - load_weight * load / (max_load + 1)
+
+``gpu_run`` is the leading prefix the engine holds on the GPU; blocks past it that are
+cached on the CPU tier still save prefill but cost a load, hence the lower CPU weight.
+The load guard: a candidate more than ``max_imbalance`` requests busier than the least
+loaded one is not eligible (unless none is), so a hot prefix cannot pile every request
+onto one engine. Ties (scores within ``1e-9``) are broken by a hash of the prompt's
+first tokens and the engine name: deterministic for a given prompt, spread over
+engines across prompts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvevents.index import LookupResult
+
+_TIE_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine reports (or a router tracks) about how busy it is."""
+
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0  # fraction of GPU KV blocks in use, 0..1
+
+    def __post_init__(self) -> None:
+        if min(self.waiting, self.running, self.kv_usage) < 0:
+            raise ValueError("load figures must be >= 0")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pod: str
+    load: EngineLoad = field(default_factory=EngineLoad)
+
+
+@dataclass(frozen=True)
+class PodScore:
+    pod: str
+    score: float
+    cache_score: float
+    load: float
+    matched_tokens: int
+    tiers: dict[str, int]
+    eligible: bool
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    pod: str
+    matched_tokens: int
+    tiers: dict[str, int]
+    scores: list[PodScore]
+    reason: str
+
+
+@dataclass(frozen=True)
+class KVRouterConfig:
+    """Weights of the KV-aware policy, validated once."""
+
+    tier_weights: dict[str, float] = field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.6})
+    load_weight: float = 0.5
+    kv_weight: float = 1.0
+    max_imbalance: float = 8.0  # requests
+
+    def __post_init__(self) -> None:
+        if any(w < 0 for w in self.tier_weights.values()):
+            raise ValueError("tier weights must be >= 0")
+        if self.load_weight < 0 or self.kv_weight < 0 or self.max_imbalance < 0:
+            raise ValueError("load_weight, kv_weight and max_imbalance must be >= 0")
+
+
+def _load_of(c: Candidate, kv_weight: float) -> float:
+    return c.load.waiting + c.load.running + kv_weight * c.load.kv_usage
+
+
+def _tie_key(token_ids: Sequence[int], pod: str) -> bytes:
+    head = ",".join(map(str, token_ids[:64])).encode()
+    return hashlib.blake2b(head + b"|" + pod.encode(), digest_size=8).digest()
+
+
+class KVAwarePolicy:
+    """Longest cached prefix per tier, weighed against load; see the module docstring."""
+
+    name = "kv"
+
+    def __init__(self, config: KVRouterConfig | None = None) -> None:
+        self.config = config or KVRouterConfig()
+
+    def choose(self, token_ids: Sequence[int], lookup: LookupResult,
+               candidates: Sequence[Candidate]) -> RouteDecision:
+        if not candidates:
+            raise ValueError("no candidate engines")
+        cfg = self.config
+        matches = {m.pod: m for m in lookup.pods}
+        loads = [_load_of(c, cfg.kv_weight) for c in candidates]
+        max_load, min_load = max(loads), min(loads)
+        n = max(1, lookup.prompt_tokens)
+        w_gpu, w_cpu = cfg.tier_weights.get("GPU", 1.0), cfg.tier_weights.get("CPU", 0.0)
+        scores = []
+        for c, load in zip(candidates, loads):
+            m = matches.get(c.pod)
+            total = m.tokens if m else 0
+            tiers = dict(m.tiers) if m else {}
+            gpu = min(tiers.get("GPU", 0), total)
+            cache = (w_gpu * gpu + w_cpu * (total - gpu)) / n
+            score = cache - cfg.load_weight * load / (max_load + 1)
+            eligible = load - min_load <= cfg.max_imbalance
+            scores.append(PodScore(c.pod, score, cache, load, total, tiers, eligible))
+        pool = [s for s in scores if s.eligible] or scores
+        best_score = max(s.score for s in pool)
+        tied = [s for s in pool if best_score - s.score <= _TIE_EPS]
+        best = min(tied, key=lambda s: _tie_key(token_ids, s.pod)) if len(tied) > 1 else tied[0]
+        reason = self._reason(best, scores, pool, tied, n)
+        scores.sort(key=lambda s: -s.score)
+        return RouteDecision(best.pod, best.matched_tokens, best.tiers, scores, reason)
+
+    @staticmethod
+    def _reason(best: PodScore, scores: list[PodScore], pool: list[PodScore],
+                tied: list[PodScore], n: int) -> str:
+        top_cache = max(scores, key=lambda s: s.cache_score)
+        if not top_cache.eligible and top_cache.cache_score > best.cache_score:
+            return (f"load guard: {top_cache.pod} caches more ({top_cache.matched_tokens} tokens) "
+                    f"but is {top_cache.load - min(s.load for s in scores):g} requests busier than "
+                    f"the least loaded; chose {best.pod}")
+        if best.matched_tokens == 0:
+            why = "no engine caches a prefix of this prompt: least loaded"
+        else:
+            tiers = ", ".join(f"{t} {v}" for t, v in sorted(best.tiers.items()))
+            why = f"longest weighted cached prefix: {best.matched_tokens} of {n} tokens ({tiers})"
+        if len(tied) > 1:
+            why += f"; tie among {len(tied)} engines broken by prompt hash"
+        return why
+
+
+class RoundRobinPolicy:
+    """Each candidate in turn, ignoring caches and load (the baseline)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, token_ids: Sequence[int], lookup: LookupResult | None,
+               candidates: Sequence[Candidate]) -> RouteDecision:
+        if not candidates:
+            raise ValueError("no candidate engines")
+        c = candidates[next(self._counter) % len(candidates)]
+        m = {p.pod: p for p in lookup.pods}.get(c.pod) if lookup else None
+        return RouteDecision(c.pod, m.tokens if m else 0, dict(m.tiers) if m else {}, [],
+                             "round robin")
+
+
+class LeastLoadedPolicy:
+    """The candidate with the lowest load; ties by prompt hash."""
+
+    name = "least_loaded"
+
+    def __init__(self, kv_weight: float = 1.0) -> None:
+        self.kv_weight = kv_weight
+
+    def choose(self, token_ids: Sequence[int], lookup: LookupResult | None,
+               candidates: Sequence[Candidate]) -> RouteDecision:
+        if not candidates:
+            raise ValueError("no candidate engines")
+        loads = {c.pod: _load_of(c, self.kv_weight) for c in candidates}
+        low = min(loads.values())
+        tied = [c.pod for c in candidates if loads[c.pod] - low <= _TIE_EPS]
+        pod = min(tied, key=lambda p: _tie_key(token_ids, p))
+        m = {p.pod: p for p in lookup.pods}.get(pod) if lookup else None
+        return RouteDecision(pod, m.tokens if m else 0, dict(m.tiers) if m else {}, [],
+                             f"least loaded ({low:g})")
+
+
+POLICIES = {"kv": KVAwarePolicy, "round_robin": RoundRobinPolicy, "least_loaded": LeastLoadedPolicy}

@@ -1,0 +1,334 @@
+"""The live page in a real headless Chromium, on a real aggregator following real publishers.
+
+Chromium is driven over the DevTools protocol (a tiny stdlib WebSocket client below:
+the page keeps an EventSource open, so ``--dump-dom`` would dump it at the load event,
+before any live update, and ``--virtual-time-budget`` never elapses while a stream is
+pending). The test waits on the page's own DOM, reads it back, and saves a screenshot
+under ``artifacts/`` for a human to look at.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from support import LossyForwarder, ServerThread, free_port, require_binary, wait_until
+from kvevents.api import create_app
+from kvevents.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.settings import AggregatorSettings, PodSpec
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+BS = 16
+SHARED = list(range(1, 65))  # a 4-block system prompt every engine caches
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+    "--disable-dev-shm-usage", "--window-size=1400,1000", "--remote-debugging-port=0",
+]
+
+
+class DevTools:
+    """A minimal DevTools-protocol client: one WebSocket, request/response by id.
+
+    Just enough RFC 6455 for CDP: masked text frames out, unmasked (possibly
+    fragmented) text frames in; events interleaved with responses are skipped.
+    """
+
+    def __init__(self, ws_url: str, timeout: float = 10.0) -> None:
+        u = urlparse(ws_url)
+        self._sock = socket.create_connection((u.hostname, u.port), timeout=timeout)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self._sock.sendall(
+            f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            .encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self._sock.recv(1)
+            if not chunk:
+                raise ConnectionError("DevTools closed the connection during the handshake")
+            head += chunk
+        if not head.startswith(b"HTTP/1.1 101"):
+            raise ConnectionError(f"DevTools refused the WebSocket: {head[:80]!r}")
+        self._next_id = 0
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self._sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("DevTools closed the connection")
+            buf += chunk
+        return buf
+
+    def _send_text(self, text: str) -> None:
+        payload = text.encode()
+        n = len(payload)
+        head = bytes([0x81])
+        if n < 126:
+            head += bytes([0x80 | n])
+        elif n < 65536:
+            head += bytes([0x80 | 126]) + struct.pack("!H", n)
+        else:
+            head += bytes([0x80 | 127]) + struct.pack("!Q", n)
+        mask = os.urandom(4)
+        self._sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+
+    def _recv_message(self) -> str:
+        parts = []
+        while True:
+            b0, b1 = self._recv_exact(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = struct.unpack("!H", self._recv_exact(2))[0]
+            elif n == 127:
+                n = struct.unpack("!Q", self._recv_exact(8))[0]
+            data = self._recv_exact(n)
+            opcode = b0 & 0x0F
+            if opcode == 0x8:
+                raise ConnectionError("DevTools closed the WebSocket")
+            if opcode in (0x1, 0x0):
+                parts.append(data)
+                if b0 & 0x80:
+                    return b"".join(parts).decode()
+            # ping/pong and binary frames are not used by DevTools: ignore them
+
+    def call(self, method: str, **params) -> dict:
+        self._next_id += 1
+        self._send_text(json.dumps({"id": self._next_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self._recv_message())
+            if msg.get("id") == self._next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def evaluate(self, expression: str):
+        res = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        if "exceptionDetails" in res:
+            raise RuntimeError(f"page script failed: {res['exceptionDetails']}")
+        return res["result"].get("value")
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Browser:
+    """Headless Chromium opened on ``url`` with a DevTools client on its page."""
+
+    def __init__(self, binary: str, url: str, profile: Path) -> None:
+        self._log = open(profile.parent / "chromium.log", "w")
+        self.proc = subprocess.Popen([binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", url],
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        port_file = profile / "DevToolsActivePort"
+        if not wait_until(lambda: port_file.exists() and port_file.read_text().count("\n") >= 1, 20, 0.05):
+            self.close()
+            raise RuntimeError("chromium did not open its DevTools port")
+        port = int(port_file.read_text().split()[0])
+        pages: list[dict] = []
+
+        def page_listed() -> bool:
+            try:
+                targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=2).json()
+            except httpx.HTTPError:
+                return False
+            pages[:] = [t for t in targets if t.get("type") == "page" and t["url"].startswith(url)]
+            return bool(pages)
+
+        if not wait_until(page_listed, 15, 0.1):
+            self.close()
+            raise RuntimeError("chromium did not open the page")
+        self.tools = DevTools(pages[0]["webSocketDebuggerUrl"])
+        # The window's chrome takes some of --window-size: make the viewport exactly it.
+        self.tools.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
+                        deviceScaleFactor=1, mobile=False)
+
+    def screenshot(self, path: Path) -> None:
+        data = self.tools.call("Page.captureScreenshot", format="png")["data"]
+        path.write_bytes(base64.b64decode(data))
+
+    def close(self) -> None:
+        tools = getattr(self, "tools", None)
+        if tools is not None:
+            tools.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+class Engine:
+    """A real publisher acting as an engine: a shared system prompt on the GPU, its own
+    conversation blocks moving GPU -> CPU, old ones evicted."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.live, self.replay = free_port(), free_port()
+        self.pub = ZmqEventPublisher(PublisherConfig(
+            endpoint=f"tcp://*:{self.live}", replay_endpoint=f"tcp://*:{self.replay}"))
+        self.step = 0
+
+    def publish_step(self) -> None:
+        i, k = self.index, self.step
+        events: list = []
+        if k == 0:
+            events.append(BlockStored([1, 2, 3, 4], None, SHARED, BS, None, "GPU", None))
+        base = 1000 * (i + 1) + 10 * k
+        own = [10_000 * (i + 1) + 100 * k + t for t in range(2 * BS)]
+        events.append(BlockStored([base, base + 1], 4, own, BS, None, "GPU", None))
+        if k == 1:  # the offloading connector keeps a CPU copy of the system prompt
+            events.append(BlockStored([1, 2, 3, 4], None, SHARED, BS, None, "CPU", None))
+        if k >= 1:  # last step's blocks are offloaded to CPU and leave the GPU
+            prev = 1000 * (i + 1) + 10 * (k - 1)
+            prev_own = [10_000 * (i + 1) + 100 * (k - 1) + t for t in range(2 * BS)]
+            events.append(BlockStored([prev, prev + 1], 4, prev_own, BS, None, "CPU", None))
+            events.append(BlockRemoved([prev, prev + 1], "GPU"))
+        if k >= 8 + i:  # the CPU pool is full: evict the oldest
+            old = 1000 * (i + 1) + 10 * (k - 8 - i)
+            events.append(BlockRemoved([old, old + 1], "CPU"))
+        self.pub.publish(KVEventBatch(time.time(), events))
+        self.step += 1
+
+    def close(self) -> None:
+        self.pub.shutdown(0.5)
+
+
+@pytest.fixture
+def fleet():
+    """Three engines; engine-1's live feed loses seq 2 on the way (recovered by replay)."""
+    engines = [Engine(i) for i in range(3)]
+    fwd = LossyForwarder(f"tcp://127.0.0.1:{engines[1].live}", drop={2})
+    pods = tuple(
+        PodSpec(f"engine-{e.index}",
+                fwd.endpoint if e.index == 1 else f"tcp://127.0.0.1:{e.live}",
+                replay_endpoint=f"tcp://127.0.0.1:{e.replay}", model="demo")
+        for e in engines)
+    with ServerThread(create_app(AggregatorSettings(pods=pods))) as srv:
+        yield srv, engines
+    fwd.close()
+    for e in engines:
+        e.close()
+
+
+READ_PAGE = """(() => {
+  const q = (s) => document.querySelector(s);
+  const rows = [...document.querySelectorAll('#engines tbody tr[data-pod]')].map((tr) => {
+    const f = (name) => tr.querySelector(`[data-field="${name}"]`);
+    const tiers = {};
+    for (const t of tr.querySelectorAll('[data-tier]')) tiers[t.dataset.tier] = Number(t.dataset.blocks);
+    return {pod: tr.dataset.pod, status: tr.dataset.status, connected: f('connected').dataset.value,
+            last_seq: f('last_seq').dataset.value, lag: f('lag').dataset.value,
+            gaps: Number(f('gaps').dataset.value), replayed: Number(f('replayed').dataset.value),
+            lost: Number(f('lost').dataset.value), restarts: Number(f('restarts').dataset.value),
+            text: tr.innerText, tiers};
+  });
+  const hit = {};
+  for (const r of document.querySelectorAll('#hit-rate [data-tier]')) hit[r.dataset.tier] = Number(r.dataset.ratio);
+  return {
+    summaries: Number(document.body.dataset.summaries), conn: q('#conn').dataset.state, rows,
+    batches_per_s: Number(q('#event-rate').dataset.batchesPerS),
+    blocks_per_s: Number(q('#event-rate').dataset.blocksPerS),
+    entries: Number(q('#index-size').dataset.entries), distinct: Number(q('#index-size').dataset.distinct),
+    lookups: Number(q('#lookups').dataset.lookups), hit,
+    prefixes: [...document.querySelectorAll('#prefixes tr[data-prefix]')].map((tr) => ({
+      tokens: Number(tr.dataset.tokens),
+      pods: [...tr.querySelectorAll('.chip[data-pod]')].map((c) => c.dataset.pod)})),
+    log: [...document.querySelectorAll('#log li[data-kind]')].map((li) => [li.dataset.kind, li.innerText]),
+  };
+})()"""
+
+
+@pytest.mark.timeout(60)
+def test_live_page_shows_the_fleet_in_a_real_browser(fleet, tmp_path):
+    binary = require_binary("chromium")
+    srv, engines = fleet
+    browser = Browser(binary, f"{srv.url}/", tmp_path / "profile")
+    stop = threading.Event()
+    feeder = None
+    try:
+        tools = browser.tools
+        # The page is subscribed once its first summary has arrived: then start the
+        # engines, so the page sees their gap and replay live.
+        assert wait_until(lambda: (tools.evaluate("Number(document.body.dataset.summaries)") or 0) >= 1, 15, 0.1)
+
+        def feed() -> None:
+            while not stop.is_set():
+                for e in engines:
+                    e.publish_step()
+                stop.wait(0.1)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        # Routers' lookups: the shared prompt (GPU and CPU everywhere) plus engine-0's
+        # step-1 conversation, whose blocks now sit in its CPU tier only.
+        assert wait_until(lambda: engines[0].step >= 3, 10)
+        prompt = SHARED + [10_000 + 100 + t for t in range(2 * BS)]
+        for _ in range(3):
+            r = httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": prompt}, timeout=5)
+            assert r.status_code == 200 and r.json()["pods"], r.text
+
+        def settled() -> bool:
+            page = tools.evaluate(READ_PAGE)
+            return (page["summaries"] >= 4 and len(page["rows"]) == 3
+                    and all(r["tiers"].get("GPU", 0) > 0 and r["tiers"].get("CPU", 0) > 0
+                            for r in page["rows"])
+                    and page["blocks_per_s"] > 0 and page["batches_per_s"] > 0
+                    and page["lookups"] >= 3 and len(page["prefixes"]) > 0
+                    and any(kind == "replay" for kind, _ in page["log"]))
+
+        assert wait_until(settled, 20, 0.25), tools.evaluate(READ_PAGE)
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.screenshot(ARTIFACTS / "live_page.png")
+        page = tools.evaluate(READ_PAGE)
+    finally:
+        stop.set()
+        if feeder is not None:
+            feeder.join(5)
+        browser.close()
+        shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+    assert page["conn"] == "open"
+    by_pod = {r["pod"]: r for r in page["rows"]}
+    assert sorted(by_pod) == ["engine-0", "engine-1", "engine-2"]
+    api = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]}
+    for name, row in by_pod.items():
+        assert row["status"] == "live" and row["connected"] == "1", row
+        assert int(row["last_seq"]) > 0 and row["lag"] != "", row
+        assert row["tiers"]["GPU"] > 0 and row["tiers"]["CPU"] > 0, row
+        assert name in row["text"]
+        # The page's figures are the aggregator's (the feed keeps going, so within a few).
+        assert abs(int(row["last_seq"]) - api[name]["last_seq"]) <= 30
+        assert row["lost"] == 0 and row["restarts"] == 0
+    # engine-1 lost seq 2 on the wire: the page shows the gap and the replay.
+    assert by_pod["engine-1"]["gaps"] >= 1 and by_pod["engine-1"]["replayed"] >= 1
+    assert by_pod["engine-0"]["gaps"] == 0
+    kinds = {kind for kind, _ in page["log"]}
+    assert {"gap", "replay"} <= kinds, page["log"]
+    assert any("engine-1" in text for kind, text in page["log"] if kind == "gap")
+
+    assert page["blocks_per_s"] > 0 and page["batches_per_s"] > 0
+    assert page["entries"] > 0 and page["distinct"] > 0
+    # Every lookup matched the shared prompt on the GPU and, on the CPU, the prompt and
+    # (unless evicted by then) engine-0's conversation.
+    assert page["hit"]["GPU"] == pytest.approx(len(SHARED) / len(prompt), abs=1e-3)
+    assert page["hit"]["GPU"] <= page["hit"]["CPU"] <= page["hit"]["any"] <= 1
+    # The shared system prompt lives on every engine: the top prefix says so.
+    assert page["prefixes"][0]["pods"] == ["engine-0", "engine-1", "engine-2"]
+    assert page["prefixes"][0]["tokens"] == len(SHARED)
+    assert (ARTIFACTS / "live_page.png").stat().st_size > 10_000
