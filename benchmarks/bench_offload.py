@@ -7,7 +7,7 @@ overhead is included). The baseline copies the same bytes with one contiguous
 ``Tensor.copy_`` per layer in the same run. Medians of ``--repeats`` runs. With CUDA the
 same is done device <-> pinned host. Target: >= 0.8x on CPU, >= 0.9x on a GPU.
 
-    python benchmarks/bench_offload.py [--blocks 2048] [--repeats 7] [--json PATH]
+    python benchmarks/bench_offload.py [--blocks 2048] [--repeats 7] [--engine-ids scattered|contiguous] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_one(layout: KVCacheLayout, n: int, repeats: int, device: torch.device) -> dict:
+def bench_one(layout: KVCacheLayout, n: int, repeats: int, device: torch.device, engine_ids: str = "scattered") -> dict:
     pin = device.type == "cuda"
     engine = layout.allocate(2 * n, device)
     pool = layout.allocate(n, "cpu", pin=pin)
@@ -46,7 +46,9 @@ def bench_one(layout: KVCacheLayout, n: int, repeats: int, device: torch.device)
     handler = make_transfer_handler(engine, pool)
     rng = np.random.default_rng(0)
     # Disjoint source and load-back blocks, so stored data is never overwritten by a load.
-    perm = rng.permutation(2 * n).astype(np.int64)
+    # "scattered": a steady-state engine whose free blocks are randomly spread (worst
+    # case: no two consecutive); "contiguous": a fresh engine handing out block runs.
+    perm = rng.permutation(2 * n).astype(np.int64) if engine_ids == "scattered" else np.arange(2 * n, dtype=np.int64)
     gpu_ids, back_ids = perm[:n], perm[n:]
     pool_ids = np.arange(n, dtype=np.int64)
     nbytes = n * layout.bytes_per_block
@@ -95,6 +97,7 @@ def bench_one(layout: KVCacheLayout, n: int, repeats: int, device: torch.device)
         exact = all(torch.equal(engine[k][torch.from_numpy(back_ids).to(device)], engine[k][torch.from_numpy(gpu_ids).to(device)]) for k in engine)
         res = {
             "device": device.type,
+            "engine_ids": engine_ids,
             "blocks": n,
             "bytes": nbytes,
             "store_gbps": nbytes / med["store"] / 1e9,
@@ -115,12 +118,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default="benchmarks/results/offload.json")
+    ap.add_argument("--engine-ids", choices=("scattered", "contiguous"), default="scattered",
+                    help="layout of the engine blocks stored from / loaded into")
     args = ap.parse_args()
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     rows = []
     for device in devices:
         for name, layout in SHAPES.items():
-            r = bench_one(layout, args.blocks, args.repeats, device)
+            r = bench_one(layout, args.blocks, args.repeats, device, args.engine_ids)
             r["shape"] = name
             rows.append(r)
     hdr = f"{'device':6} {'shape':34} {'MiB':>7} {'store GB/s':>10} {'plain':>7} {'ratio':>6} {'load GB/s':>10} {'plain':>7} {'ratio':>6} exact"

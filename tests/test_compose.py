@@ -95,7 +95,10 @@ def read_yaml(path: Path):
 
     def seq(i: int, indent: int):
         out = []
-        while i < len(lines) and lines[i][0] == indent and (lines[i][1].startswith("- ") or lines[i][1] == "-"):
+        def is_item(j: int) -> bool:
+            return lines[j][0] == indent and (lines[j][1].startswith("- ") or lines[j][1] == "-")
+
+        while i < len(lines) and is_item(i):
             item = lines[i][1][1:].strip()
             if not item:
                 value, i = block(i + 1, lines[i + 1][0])
@@ -168,7 +171,8 @@ def test_services_and_build(compose):
         assert services[name]["image"] == "kvevents:latest", name
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
-    assert re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/whl/cpu", dockerfile)
+    assert re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/whl/cpu",
+                     dockerfile)
     assert 'pip install ".[connector]"' in dockerfile
     for src in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
         for path in src.split():
@@ -207,7 +211,8 @@ def test_engines_listen_where_they_are_dialled_and_scraped(compose):
         args = _engine_args(compose, name)
         assert args.name == name
         assert args.bind == "*"  # reachable from the other containers
-        assert (args.events_port, args.replay_port, args.metrics_port, args.rpc_port) == (5557, 5558, 9100, 5560)
+        ports = (args.events_port, args.replay_port, args.metrics_port, args.rpc_port)
+        assert ports == (5557, 5558, 9100, 5560), name
         listening = _container_ports(compose["services"][name])
         assert {5557, 5558, 5560, 9100} <= listening, name
     prom = read_yaml(ROOT / "dashboard/prometheus/prometheus.yml")
@@ -231,7 +236,8 @@ def test_volumes_mount_files_that_exist(compose):
             assert (ROOT / host).exists(), f"{name} mounts missing {host}"
             assert mode == ["ro"], vol
             mounts[(name, container)] = ROOT / host
-    assert mounts[("prometheus", "/etc/prometheus/prometheus.yml")] == ROOT / "dashboard/prometheus/prometheus.yml"
+    prom_cfg = ROOT / "dashboard/prometheus/prometheus.yml"
+    assert mounts[("prometheus", "/etc/prometheus/prometheus.yml")] == prom_cfg
     assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
     provisioning = mounts[("grafana", "/etc/grafana/provisioning")]
     dashboards = mounts[("grafana", "/var/lib/grafana/dashboards")]
@@ -244,7 +250,7 @@ def test_volumes_mount_files_that_exist(compose):
     dash = json.loads((dashboards / "kvevents.json").read_text())
     var = next(v for v in dash["templating"]["list"] if v["name"] == "datasource")
     assert var["type"] == "datasource" and var["query"] == "prometheus"
-    assert var["current"]["value"] == ds[0]["uid"], "the dashboard's default datasource is the provisioned one"
+    assert var["current"]["value"] == ds[0]["uid"], "default datasource: the provisioned one"
 
     env = services["grafana"]["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"

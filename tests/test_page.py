@@ -239,7 +239,9 @@ READ_PAGE = """(() => {
             text: tr.innerText, tiers};
   });
   const hit = {};
-  for (const r of document.querySelectorAll('#hit-rate [data-tier]')) hit[r.dataset.tier] = Number(r.dataset.ratio);
+  for (const r of document.querySelectorAll('#hit-rate [data-tier]')) {
+    hit[r.dataset.tier] = Number(r.dataset.ratio);
+  }
   return {
     summaries: Number(document.body.dataset.summaries), conn: q('#conn').dataset.state, rows,
     batches_per_s: Number(q('#event-rate').dataset.batchesPerS),
@@ -265,7 +267,8 @@ def test_live_page_shows_the_fleet_in_a_real_browser(fleet, tmp_path):
         tools = browser.tools
         # The page is subscribed once its first summary has arrived: then start the
         # engines, so the page sees their gap and replay live.
-        assert wait_until(lambda: (tools.evaluate("Number(document.body.dataset.summaries)") or 0) >= 1, 15, 0.1)
+        summaries = "Number(document.body?.dataset.summaries)"
+        assert wait_until(lambda: (tools.evaluate(summaries) or 0) >= 1, 15, 0.1)
 
         def feed() -> None:
             while not stop.is_set():

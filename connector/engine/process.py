@@ -116,7 +116,8 @@ class EngineServer:
             else:
                 self.reply(ident, {"op": "error", "error": f"unknown op {op!r}"})
         except (KeyError, ValueError, TypeError) as exc:
-            self.reply(ident, {"op": "error", "error": f"{op}: {exc}"})
+            # A rejected submit names its request, so the client can account for it.
+            self.reply(ident, {"op": "error", "id": msg.get("id"), "error": f"{op}: {exc}"})
 
     def done(self, result) -> None:
         self.metrics.observe(result)

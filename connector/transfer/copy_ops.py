@@ -1,12 +1,12 @@
 """Batched block copies between a KV cache and the CPU pool, with no per-block Python loop.
 
-Every tensor here is ``[num_blocks, ...]`` with a block as one contiguous row. On CPU the
-copies run on numpy views that treat each row as one opaque ``void`` element, so a batch
-of blocks is one ``np.take`` (gather) or one fancy assignment (scatter) that moves each
-row with a single ``memmove`` and releases the GIL. Torch's CPU ``index_copy_`` /
-``index_put_`` instead move element by element (a load into scattered engine blocks ran
-at ~0.3x a plain copy), and its ``index_select`` goes through the OpenMP pool, which
-stalls badly when another process holds one of the cores.
+Every tensor here is ``[num_blocks, ...]`` with a block as one contiguous row, viewed as
+2-D rows of int64 (fewer, wider elements than fp16). Gathers (stores into the pool) use
+torch ``index_select``, which copies row by row on the OpenMP pool. Scatters (loads into
+scattered engine blocks) use numpy fancy assignment on a view with one opaque ``void``
+element per row: a memmove per row with the GIL released; torch's CPU ``index_copy_`` /
+``index_put_`` move element by element and ran a load at ~0.3x a plain copy. numpy is
+single-threaded, so the CPU handler splits large scatter jobs over threads.
 
 Strategy for one batch (``src_ids[i] -> dst_ids[i]``), chosen from the ids alone:
 
@@ -64,20 +64,28 @@ def check_ids(ids: np.ndarray, rows: int) -> None:
         raise IndexError(f"block ids out of range [0, {rows})")
 
 
-def row_view(t: torch.Tensor) -> np.ndarray | None:
-    """A 1-D numpy array sharing ``t``'s memory with one ``void`` element per block row.
-
-    None when ``t`` is not a plain contiguous CPU tensor (the caller then uses torch ops).
+def row_view(t: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
+    """Two views sharing ``t``'s memory, one row per block: a 2-D tensor of the widest
+    integer type that tiles a row (int64 for KV blocks), and a 1-D numpy array with one
+    ``void`` element per row. None when ``t`` is not a plain contiguous CPU tensor (the
+    caller then uses torch ops on ``t`` itself).
     """
     if t.device.type != "cpu" or t.dim() == 0 or t.numel() == 0 or not t.is_contiguous():
         return None
     if t.is_conj() or t.is_neg():
         return None
     try:
-        raw = t.detach().reshape(t.shape[0], -1).view(torch.uint8).numpy()
-    except (RuntimeError, TypeError):
+        raw = t.detach().reshape(t.shape[0], -1).view(torch.uint8)
+        row_bytes = raw.shape[1]
+        wide = raw
+        for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+            if row_bytes % size == 0 and raw.data_ptr() % size == 0:
+                wide = raw.view(dt)
+                break
+        arr = raw.numpy().view(np.dtype((np.void, row_bytes))).reshape(-1)
+    except (RuntimeError, TypeError, ValueError):
         return None
-    return raw.view(np.dtype((np.void, raw.shape[1]))).reshape(-1)
+    return wide, arr
 
 
 # ---- plan: the list of copy ops for one batch, shared by every layer --------------------
@@ -106,23 +114,30 @@ def plan_copy(src_ids: np.ndarray, dst_ids: np.ndarray, pool_is_dst: bool) -> li
     return [("general", src_ids, dst_ids)]
 
 
-def apply_np(ops: Sequence[tuple], src: np.ndarray, dst: np.ndarray) -> None:
-    """Run ``plan_copy`` ops on ``row_view`` arrays (ids already range-checked)."""
+def apply_rows(ops: Sequence[tuple], src: tuple[torch.Tensor, np.ndarray],
+               dst: tuple[torch.Tensor, np.ndarray]) -> None:
+    """Run ``plan_copy`` ops on ``row_view`` pairs (ids already range-checked).
+
+    Slices and gathers use torch (a parallel memcpy per run / per row, the same kernels
+    as a plain copy); scatters use numpy's fancy assignment (a memmove per row, GIL
+    released), since torch's CPU ``index_copy_`` / ``index_put_`` copy element by element.
+    """
+    src_t, src_a = src
+    dst_t, dst_a = dst
     for op in ops:
         kind = op[0]
         if kind == "slice":
             _, a, b, k = op
-            dst[b : b + k] = src[a : a + k]
+            dst_t[b : b + k].copy_(src_t[a : a + k])
         elif kind == "gather":
             _, idx, b = op
-            # mode="clip" skips numpy's buffered bounds check; ids were checked already.
-            np.take(src, idx, out=dst[b : b + idx.size], mode="clip")
+            torch.index_select(src_t, 0, torch.from_numpy(idx), out=dst_t[b : b + idx.size])
         elif kind == "scatter":
             _, a, idx = op
-            dst[idx] = src[a : a + idx.size]
+            dst_a[idx] = src_a[a : a + idx.size]
         else:
             _, sidx, didx = op
-            dst[didx] = np.take(src, sidx, mode="clip")
+            dst_a[didx] = src_t.index_select(0, torch.from_numpy(sidx)).numpy().view(dst_a.dtype).reshape(-1)
 
 
 def apply_torch(ops: Sequence[tuple], src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -144,15 +159,21 @@ def apply_torch(ops: Sequence[tuple], src: torch.Tensor, dst: torch.Tensor) -> N
 
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, ops: Sequence[tuple],
-              src_np: np.ndarray | None = None, dst_np: np.ndarray | None = None) -> None:
-    if src_np is None:
-        src_np = row_view(src)
-    if dst_np is None:
-        dst_np = row_view(dst)
-    if src_np is not None and dst_np is not None and src_np.dtype == dst_np.dtype:
-        apply_np(ops, src_np, dst_np)
+              src_rows: tuple | None = None, dst_rows: tuple | None = None) -> None:
+    if src_rows is None:
+        src_rows = row_view(src)
+    if dst_rows is None:
+        dst_rows = row_view(dst)
+    if (src_rows is not None and dst_rows is not None and src_rows[1].dtype == dst_rows[1].dtype
+            and src_rows[0].dtype == dst_rows[0].dtype):
+        apply_rows(ops, src_rows, dst_rows)
     else:
         apply_torch(ops, src, dst)
+
+
+def uses_numpy(ops: Sequence[tuple]) -> bool:
+    """Whether ``apply_rows`` runs numpy scatters (single-threaded) for these ops."""
+    return any(op[0] in ("scatter", "general") for op in ops)
 
 
 # ---- public single-layer helpers (API kept) ----------------------------------------------

@@ -3,10 +3,10 @@
 Without CUDA the engine's "GPU" cache is a CPU tensor; copying on a thread (the numpy
 and torch copy ops release the GIL) keeps the engine step from waiting for offload
 traffic. Jobs run one at a time in submission order, so completions are reported in that
-order too. A large job is cut into chunks of block positions that the worker thread and
-``torch.get_num_threads() - 1`` helper threads take from a shared list (a plain torch
-copy of the same bytes also uses that many threads); the job completes only when every
-chunk has.
+order too. A large job whose copy runs numpy scatters (single-threaded) is cut into
+chunks of block positions that the worker thread and ``torch.get_num_threads() - 1``
+helper threads take from a shared list (a plain torch copy of the same bytes also uses
+that many threads); the job completes only when every chunk has.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from connector.transfer.abstract import Direction, TransferHandler, TransferJob, TransferResult
-from connector.transfer.copy_ops import check_ids, copy_rows, plan_copy, row_view, split_positions
+from connector.transfer.copy_ops import check_ids, copy_rows, plan_copy, row_view, split_positions, uses_numpy
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ class CpuTransferHandler(TransferHandler):
         self._engine = [engine_kv[k] for k in engine_kv]
         self._pool = [cpu_pool[k] for k in engine_kv]
         self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in self._engine)
-        # numpy row views, made once (None where a tensor has none: torch ops are used).
-        self._engine_np = [row_view(t) for t in self._engine]
-        self._pool_np = [row_view(t) for t in self._pool]
+        # Row views, made once (None where a tensor has none: plain torch ops are used).
+        self._engine_view = [row_view(t) for t in self._engine]
+        self._pool_view = [row_view(t) for t in self._pool]
         self._engine_rows = min((t.shape[0] for t in self._engine), default=0)
         self._pool_rows = min((t.shape[0] for t in self._pool), default=0)
         self._threads = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
@@ -136,8 +136,10 @@ class CpuTransferHandler(TransferHandler):
         check_ids(job.dst_ids, dst_rows)
         n = job.num_blocks
         nbytes = n * self._bytes_per_block
-        if self._helpers is None or nbytes < PARALLEL_MIN_BYTES:
-            self._copy_range(job.src_ids, job.dst_ids, store)
+        ops = plan_copy(job.src_ids, job.dst_ids, pool_is_dst=store)
+        if self._helpers is None or nbytes < PARALLEL_MIN_BYTES or not uses_numpy(ops):
+            # Torch's gathers and slice copies are already parallel (OpenMP).
+            self._apply(ops, store)
             return
         nchunks = min(self._threads * CHUNKS_PER_THREAD, max(1, nbytes // MIN_CHUNK_BYTES), n)
         chunks = iter(split_positions(n, nchunks))
@@ -167,12 +169,14 @@ class CpuTransferHandler(TransferHandler):
             raise err
 
     def _copy_range(self, src_ids: np.ndarray, dst_ids: np.ndarray, store: bool) -> None:
-        ops = plan_copy(src_ids, dst_ids, pool_is_dst=store)
+        self._apply(plan_copy(src_ids, dst_ids, pool_is_dst=store), store)
+
+    def _apply(self, ops: list[tuple], store: bool) -> None:
         if not ops:
             return
         if store:
-            pairs = zip(self._engine, self._pool, self._engine_np, self._pool_np)
+            pairs = zip(self._engine, self._pool, self._engine_view, self._pool_view)
         else:
-            pairs = zip(self._pool, self._engine, self._pool_np, self._engine_np)
-        for src, dst, src_np, dst_np in pairs:
-            copy_rows(src, dst, ops, src_np, dst_np)
+            pairs = zip(self._pool, self._engine, self._pool_view, self._engine_view)
+        for src, dst, src_view, dst_view in pairs:
+            copy_rows(src, dst, ops, src_view, dst_view)

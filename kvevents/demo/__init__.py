@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -38,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=300, help="with --trace: first N requests")
     p.add_argument("--time-scale", type=float, default=None,
                    help="with --trace: simulated seconds per wall second (default: fit --duration)")
-    p.add_argument("--gpu-blocks", type=int, default=4096, help="GPU KV blocks per engine (16 tokens)")
+    p.add_argument("--gpu-blocks", type=int, default=8192,
+                   help="GPU KV blocks per engine (16 tokens; 8192 fits the trace's longest prompt)")
     p.add_argument("--cpu-blocks", type=int, default=4096, help="CPU tier offloaded blocks per engine")
     p.add_argument("--offloaded-block-size", type=int, default=64, help="tokens per offloaded block")
     p.add_argument("--no-progress", action="store_true")
@@ -69,8 +71,13 @@ def print_summary(s: dict) -> None:
     print()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM too: unwind through `finally`, which stops every child
+
+
 def run_demo(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    signal.signal(signal.SIGTERM, _interrupt)
     if args.trace:
         requests = mooncake_trace(args.trace, args.max_requests)
     else:
@@ -115,6 +122,9 @@ def run_demo(args: argparse.Namespace) -> int:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=2)
             print(f"summary written to {args.summary_json}")
+        if summary["rejected_requests"]:
+            print(f"note: {summary['rejected_requests']} requests were longer than an engine's "
+                  "KV cache and were rejected (raise --gpu-blocks)")
         ok = (summary["events"]["lost"] == 0 and summary["index_mismatches"] == 0
               and summary["kv_mismatches"] == 0 and summary["events"]["dropped_at_publish"] == 0)
         print("OK: nothing lost, the index equals every engine's cache" if ok

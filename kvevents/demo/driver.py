@@ -41,6 +41,7 @@ class Outcome:
     cpu_hit: int = 0
     computed: int = 0
     finish: float | None = None
+    rejected: str | None = None  # the engine refused it (e.g. longer than its KV cache)
 
 
 @dataclass
@@ -102,10 +103,14 @@ class Driver:
                                    "max_new_tokens": req.max_new_tokens, "arrival": req.arrival})
 
     def on_message(self, engine: EngineClient, msg: dict[str, Any]) -> None:
-        if msg.get("op") != "done":
-            return
-        o = self.state.outcomes.get(msg["id"])
+        o = self.state.outcomes.get(msg.get("id"))  # type: ignore[arg-type]
         if o is None or o.finish is not None:
+            return
+        if msg.get("op") == "error":
+            o.rejected, o.finish = str(msg.get("error")), o.arrival
+            self.state.done += 1
+            return
+        if msg.get("op") != "done":
             return
         o.ttft, o.prompt_tokens = msg["ttft"], msg["prompt_tokens"]
         o.gpu_hit, o.cpu_hit, o.computed = msg["gpu_hit_tokens"], msg["cpu_hit_tokens"], msg["computed_tokens"]
@@ -204,7 +209,8 @@ class Driver:
 
     def summary(self, drained: dict[str, dict], mismatches: dict[str, dict[str, int]],
                 wall: float, cpu_tier: bool) -> dict[str, Any]:
-        outs = list(self.state.outcomes.values())
+        rejected = [o for o in self.state.outcomes.values() if o.rejected]
+        outs = [o for o in self.state.outcomes.values() if not o.rejected]
         ttft = np.array([o.ttft for o in outs if o.finish is not None] or [0.0])
         stored_b = sum(d["offload"].get("stored_bytes", 0) for d in drained.values())
         loaded_b = sum(d["offload"].get("loaded_bytes", 0) for d in drained.values())
@@ -220,6 +226,7 @@ class Driver:
             "policy": self.policy,
             "cpu_tier": cpu_tier,
             "requests": len(outs),
+            "rejected_requests": len(rejected),
             "prompt_tokens": sum(o.prompt_tokens for o in outs),
             "hit_tokens": {"GPU": sum(o.gpu_hit for o in outs), "CPU": sum(o.cpu_hit for o in outs)},
             "computed_prefill_tokens": sum(o.computed for o in outs),

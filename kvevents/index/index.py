@@ -108,6 +108,9 @@ class PrefixIndex:
         self._pod_id: dict[str, int] = {}
         self._pod_name: list[str | None] = []
         self._free_pod_ids: list[int] = []
+        # Pod ids in pod-name order (lookup's tie order), rebuilt when pods change.
+        self._by_name: list[int] | None = None
+        self._name_rank: list[int] = []
         self._maps: dict[int, PodMap] = {}
         # Tiers: medium name <-> id.
         self._tier_id: dict[str, int] = {}
@@ -134,6 +137,7 @@ class PrefixIndex:
                 pid = len(self._pod_name)
                 self._pod_name.append(name)
             self._pod_id[name] = pid
+            self._by_name = None
             self._maps[pid] = PodMap()
             self._store.ensure_pod(pid)
         return pid
@@ -214,7 +218,8 @@ class PrefixIndex:
         stats.stored_blocks += n
         pmap = self._maps[pid]
         h64, orig = hashes_to_u64(ev.block_hashes)
-        if n > 1 and len(set(h64.tolist())) != n:
+        # (Without reductions the originals are the uint64 values themselves.)
+        if n > 1 and len(set(ev.block_hashes if orig is None else h64.tolist())) != n:
             # A hash repeated inside one event: apply it as separate one-block events
             # so each occurrence counts (rare; keeps the vector path simple).
             for i in range(n):
@@ -251,17 +256,19 @@ class PrefixIndex:
             mat = toks.reshape(n, bs)
             keys = self._hasher.chain(start, self._hasher.row_hashes(mat, extra_digests(ev.extra_keys, n)))
             slots = store.intern(keys, parent_key, depth0, ns, mat if self._keep_tokens else None)
+            # A chain's keys are distinct, hence so are its slots.
+            store.add(slots, pid, tier, distinct=True)
         else:
             # Token-less (e.g. legacy CPU offload) event: translate through the pod map.
             slots = pmap.table.get(h64)
-            unk = np.flatnonzero(slots < 0)
+            unk = (slots < 0).nonzero()[0]
             if unk.size:
                 stats.orphan_blocks += int(unk.size)
                 ns = self._namespace(model, 0, lora)
                 salt = np.uint64(digest64("tokenless", pod, model, lora))
                 keys = mix64(h64[unk] ^ salt)
                 slots[unk] = store.intern(keys, 0, 0, ns, None)
-        store.add(slots, pid, tier)
+            store.add(slots, pid, tier)
         pmap.table.put(h64, slots.astype(np.int32))
         pmap.remember(orig)
 
@@ -287,8 +294,13 @@ class PrefixIndex:
         unknown, gone = self._store.remove(slots, pid, tier)
         stats.unknown_removals += unknown
         if gone.size:
-            dead = h64[np.isin(slots, gone)]
-            pmap.forget(dead if dead.size == len(set(dead.tolist())) else np.unique(dead))
+            # Usually every removed block is gone (then no isin needed); the table's
+            # delete tolerates repeated keys.
+            if gone.size == slots.size and gone.size == len(set(slots.tolist())):
+                dead = h64
+            else:
+                dead = h64[np.isin(slots, gone)]
+            pmap.forget(dead)
 
     def _forget(self, pid: int) -> None:
         self._store.drop_pod(pid)
@@ -305,6 +317,7 @@ class PrefixIndex:
             del self._maps[pid]
             self._pod_name[pid] = None
             self._free_pod_ids.append(pid)
+            self._by_name = None
 
     # ------------------------------------------------------------------ lookup
 
@@ -325,45 +338,73 @@ class PrefixIndex:
                 i for i, (m, bs, lo) in enumerate(self._ns)
                 if bs > 0 and lo == lora_name and (model is None or m == model)
             ]
-            best: dict[int, tuple[int, dict[int, int], int]] = {}
             block_size = self._ns[spaces[0]][1] if spaces else 0
-            for ns in spaces:
-                bs = self._ns[ns][1]
-                if n_tok < bs:
-                    continue
-                m = self._match(toks, ns, bs)
-                if not best:
-                    best = {pid: (blocks * bs, tiers, bs) for pid, (blocks, tiers) in m.items()}
-                    continue
-                for pid, (blocks, tiers) in m.items():
-                    t = blocks * bs
-                    cur = best.get(pid)
-                    if cur is None or t > cur[0]:
-                        best[pid] = (t, tiers, bs)
             names = self._pod_name
             tn = self._tier_name
-            # Sort plain tuples (C comparisons), then build the Structs in order; pods
-            # with equal per-tier runs share one template dict, copied per pod.
-            # (Pod names are unique, so comparisons never reach the third element.)
-            order = sorted(
-                [(-t, names[pid], tb) for pid, (t, *tb) in best.items() if t > 0 and names[pid] is not None]
-            )
-            templates: dict[tuple[int, int], dict[str, int]] = {}
-            pods = []
-            for negt, name, (tiers, bs) in order:
-                tk = (id(tiers), bs)
-                tmpl = templates.get(tk)
-                if tmpl is None:
-                    tmpl = templates[tk] = {tn[tid]: b * bs for tid, b in tiers.items() if b}
-                pods.append(PodMatch(name, -negt, dict(tmpl), bs))  # type: ignore[arg-type]
+            found = [
+                (self._match(toks, ns, self._ns[ns][1]), self._ns[ns][1])
+                for ns in spaces
+                if n_tok >= self._ns[ns][1]
+            ]
+            found = [(ends, bs) for ends, bs in found if ends[0]]
+            pods: list[PodMatch] = []
+            if len(found) == 1 and len(found[0][0]) == 1:
+                # One namespace, one tier (the common case): the tier's run is the
+                # any-tier run. Sort plain tuples (C comparisons), then build Structs.
+                ends, bs = found[0]
+                tname = tn[0]
+                by_name = self._by_name
+                if by_name is None:
+                    by_name = self._pod_order()
+                rank = self._name_rank
+                # Sort plain ints (blocks descending, then name): no tuples to build.
+                order = sorted([rank[pid] - (b << 24) for pid, b in ends[0].items() if names[pid] is not None])
+                for k in order:
+                    name = names[by_name[k & 0xFFFFFF]]
+                    t = -(k >> 24) * bs
+                    pods.append(PodMatch(name, t, {tname: t}, bs))  # type: ignore[arg-type]
+            elif found:
+                best: dict[int, tuple[int, dict[str, int], int]] = {}
+                for ends, bs in found:
+                    single = len(ends) == 1
+                    for pid, blocks in ends[0].items():
+                        t = blocks * bs
+                        cur = best.get(pid)
+                        if cur is None or t > cur[0]:
+                            if single:
+                                tiers = {tn[0]: t}
+                            else:
+                                tiers = {
+                                    tn[j]: e[pid] * bs for j, e in enumerate(ends[1:]) if pid in e
+                                }
+                            best[pid] = (t, tiers, bs)
+                # (Pod names are unique: comparisons never reach the third element.)
+                order2 = sorted(
+                    [(-t, names[pid], (tiers, bs)) for pid, (t, tiers, bs) in best.items() if names[pid] is not None]
+                )
+                for negt, name, (tiers, bs) in order2:
+                    pods.append(PodMatch(name, -negt, tiers, bs))  # type: ignore[arg-type]
         if pods:
             block_size = pods[0].block_size
         return LookupResult(
             prompt_tokens=n_tok, block_size=block_size, pods=pods, model=model, lora_name=lora_name
         )
 
-    def _match(self, toks: Sequence[int] | np.ndarray, ns: int, bs: int) -> dict[int, tuple[int, dict[int, int]]]:
-        """{pod id: (leading blocks in any tier, {tier id: leading blocks})}.
+    def _pod_order(self) -> list[int]:
+        """Pod ids sorted by pod name (and each id's rank in that order)."""
+        names = self._pod_name
+        by_name = sorted((pid for pid, n in enumerate(names) if n is not None), key=lambda p: names[p])
+        rank = [0] * len(names)
+        for i, pid in enumerate(by_name):
+            rank[pid] = i
+        self._name_rank = rank
+        self._by_name = by_name
+        return by_name
+
+    def _match(self, toks: Sequence[int] | np.ndarray, ns: int, bs: int) -> list[dict[int, int]]:
+        """Leading matched blocks per pod: ``[{pod id: blocks in any tier}, {pod id:
+        blocks in tier 0}, ...]``, pods with no match left out. With a single tier the
+        list holds only the any-tier dict (the tier's runs are the same).
 
         All tiers are handled at once: one gather of every tier's masks per chunk, one
         running AND over (any tier, tier 0, tier 1, ...) columns, and Python work only
@@ -376,7 +417,7 @@ class PrefixIndex:
         n_blocks = len(toks) // bs
         ntier = len(masks)
         if ntier == 0 or n_blocks == 0:
-            return {}
+            return [{}]
         ncol = 1 if ntier == 1 else ntier + 1  # column groups: any, then per tier
         carry = np.full((1, ncol * words), _ALL_ONES, dtype=np.uint64)
         ends: list[dict[int, int]] = [{} for _ in range(ncol)]
@@ -389,11 +430,10 @@ class PrefixIndex:
             c = min(chunk, n_blocks - off)
             keys = hasher.keys(start, _as_int64(toks[off * bs : (off + c) * bs]), bs)
             start = int(keys[-1])
-            slots = content.get(keys)
+            slots = content.get_leading(keys)
             stop = False
-            if np.count_nonzero(slots >= 0) != c:
-                c = int(np.argmin(slots >= 0))
-                slots = slots[:c]
+            if slots.shape[0] != c:
+                c = slots.shape[0]
                 stop = True
             if c:
                 if ntier == 1:
@@ -404,9 +444,9 @@ class PrefixIndex:
                     g = np.concatenate([anym, *per], axis=1)  # (c, ncol * words)
                 run = np.bitwise_and.accumulate(np.concatenate([carry, g]), axis=0)
                 if words == 1 and ncol == 1:
-                    changed = np.flatnonzero(run[1:, 0] != run[:-1, 0])
+                    changed = (run[1:, 0] != run[:-1, 0]).nonzero()[0]
                 else:
-                    changed = np.flatnonzero((run[1:] != run[:-1]).any(axis=1))
+                    changed = np.logical_or.reduce(run[1:] != run[:-1], axis=1).nonzero()[0]
                 if changed.size:
                     before = run[changed].tolist()
                     after = run[changed + 1].tolist()
@@ -421,7 +461,7 @@ class PrefixIndex:
                                 _record_bits(ends[j], dropped, w * 64, length)
                 carry = run[-1:]
             off += c
-            if stop or not carry[0, :words].any():
+            if stop or not np.count_nonzero(carry[0, :words]):
                 break
             chunk *= 4
         if off:
@@ -430,23 +470,7 @@ class PrefixIndex:
                 if crow[col]:
                     j, w = divmod(col, words)
                     _record_bits(ends[j], crow[col], w * 64, off)
-        out: dict[int, tuple[int, dict[int, int]]] = {}
-        # Pods with identical runs share one (read-only) tiers dict.
-        shared: dict[tuple[int, ...], dict[int, int]] = {}
-        if ncol == 1:
-            for pid, blocks in ends[0].items():
-                d = shared.get((blocks,))
-                if d is None:
-                    d = shared[(blocks,)] = {0: blocks}
-                out[pid] = (blocks, d)
-        else:
-            for pid, blocks in ends[0].items():
-                runs = tuple([ends[t + 1].get(pid, 0) for t in range(ntier)])
-                d = shared.get(runs)
-                if d is None:
-                    d = shared[runs] = dict(enumerate(runs))
-                out[pid] = (blocks, d)
-        return out
+        return ends
 
     # ------------------------------------------------------------------ queries
 
@@ -616,13 +640,22 @@ def _as_int64(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         return np.frombuffer(array.array("q", tokens), dtype=np.int64)
 
 
+# _BYTE_BITS[v]: the set bit positions of byte value v (bit scans by table lookup:
+# a lookup answer often has all 64 pods of a word set).
+_BYTE_BITS = [tuple(b for b in range(8) if v >> b & 1) for v in range(256)]
+
+
 def _record_bits(ends: dict[int, int], word: int, base: int, length: int) -> None:
     """Set ``ends[base + bit] = length`` for each set bit of ``word`` (a pod's run
     ends once: its bit drops out of the running AND for good)."""
-    while word:
-        low = word & -word
-        ends[base + low.bit_length() - 1] = length
-        word ^= low
+    if word & (word - 1) == 0:  # a single pod
+        ends[base + word.bit_length() - 1] = length
+        return
+    for i, byte in enumerate(word.to_bytes(8, "little")):
+        if byte:
+            b0 = base + 8 * i
+            for b in _BYTE_BITS[byte]:
+                ends[b0 + b] = length
 
 
 def _one_block(ev: BlockStored, i: int) -> BlockStored:

@@ -50,6 +50,20 @@ def digest64(*parts: Any) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64_inplace(x: np.ndarray) -> np.ndarray:
+    """:func:`mix64` overwriting ``x`` (a fresh temporary): no intermediate arrays."""
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
+
+
 def _powers(base: int, n: int) -> np.ndarray:
     out = np.empty(n, dtype=np.uint64)
     v = 1
@@ -65,7 +79,7 @@ class ContentHasher:
     def __init__(self) -> None:
         self._pow = _powers(_M, 4097)  # M^0 .. M^4096
         self._ipow = _powers(_M_INV, 4097)
-        self._rowpow: dict[int, np.ndarray] = {}
+        self._rowpow: dict[int, tuple[np.ndarray, np.uint64]] = {}
         self._roots: dict[tuple[str | None, int, str | None], int] = {}
 
     def root(self, model: str | None, block_size: int, lora_name: str | None) -> int:
@@ -86,23 +100,31 @@ class ContentHasher:
     def row_hashes(self, tokens: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
         """Finalised per-block hashes of a (n_blocks, block_size) token matrix."""
         bs = tokens.shape[1]
-        rp = self._rowpow.get(bs)
-        if rp is None:
+        got = self._rowpow.get(bs)
+        if got is None:
             rp = _powers(_P, bs + 1)[1:]
-            self._rowpow[bs] = rp
-        # +1 so that token 0 still contributes; sum wraps mod 2^64 on uint64.
-        r = ((tokens.astype(np.uint64) + np.uint64(1)) * rp).sum(axis=1, dtype=np.uint64)
+            got = (rp, np.uint64(int(sum(rp.tolist())) & _MASK64))
+            self._rowpow[bs] = got
+        rp, const = got
+        # sum_j (t_j + 1) * P^(j+1) = (tokens @ P-powers) + sum_j P^(j+1), all wrapping
+        # mod 2^64 on uint64 (one matmul instead of add, multiply and sum passes). int64
+        # tokens reinterpret as uint64 bit for bit, as astype would convert them.
+        u = tokens.view(np.uint64) if tokens.dtype == np.int64 else tokens.astype(np.uint64)
+        r = u @ rp
+        r += const
         if extra is not None:
             r ^= extra
-        return mix64(r)
+        return _mix64_inplace(r)
 
     def chain(self, start: int, rows: np.ndarray) -> np.ndarray:
         """Content keys of consecutive blocks with row hashes ``rows``, after ``start``."""
         n = rows.shape[0]
         self._ensure(n)
-        acc = np.cumsum(rows * self._ipow[1 : n + 1], dtype=np.uint64)
+        acc = rows * self._ipow[1 : n + 1]
+        np.cumsum(acc, out=acc)
         acc += np.uint64(start)
-        return acc * self._pow[1 : n + 1]
+        acc *= self._pow[1 : n + 1]
+        return acc
 
     def keys(
         self,

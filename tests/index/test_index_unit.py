@@ -77,3 +77,47 @@ def test_queries_and_drop():
     assert idx.blocks_by_engine_hash(4).holders == []
     idx.drop_pod("b")
     assert idx.counters().distinct_blocks == 0
+
+
+def test_u64table_large_batches_match_dict():
+    # Event-/prompt-sized calls take the home-first path, the probe hints, claim
+    # conflicts, tombstones and chunked rebuilds; sequential keys stress clustering.
+    rng = np.random.default_rng(7)
+    t = U64Table()
+    ref: dict[int, int] = {}
+    pool = np.concatenate([rng.integers(0, 1 << 63, 20_000).astype(np.uint64),
+                           np.arange(1, 5_000, dtype=np.uint64)])
+    for step in range(60):
+        keys = np.unique(rng.choice(pool, int(rng.integers(1, 3_000))))
+        rng.shuffle(keys)
+        if step % 3 == 2:
+            found = t.delete(keys)
+            assert found.tolist() == [k in ref for k in keys.tolist()]
+            for k in keys.tolist():
+                ref.pop(k, None)
+        else:
+            vals = rng.integers(0, 1 << 30, keys.size).astype(np.int32)
+            t.put(keys, vals)
+            ref.update(zip(keys.tolist(), vals.tolist()))
+        assert len(t) == len(ref)
+        probe = rng.choice(pool, 1_000)
+        assert t.get(probe).tolist() == [ref.get(k, -1) for k in probe.tolist()]
+        k0 = int(probe[0])
+        assert t.get_one(k0) == ref.get(k0, -1)
+    k, v = t.items()
+    assert dict(zip(k.tolist(), v.tolist())) == ref
+
+
+def test_lookup_token_conversion_paths():
+    from kvevents.index.index import _as_int64
+
+    big = list(range(10_000))  # packed in pieces
+    assert _as_int64(big).tolist() == big
+    assert _as_int64([-5, 2**62]).tolist() == [-5, 2**62]
+    assert _as_int64(np.arange(4, dtype=np.int32)).dtype == np.int64
+    try:
+        _as_int64([1.5])
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("floats must be refused, as before")
