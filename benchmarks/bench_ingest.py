@@ -68,7 +68,6 @@ def run_once(path: str, pods: list[str], expected_blocks: int) -> dict:
              for pod in pods]
     for p in procs:
         p.start()
-    n_batches = {pod: 0 for pod in pods}
     counts = [ready.get(timeout=120) for _ in pods]
     agg = Aggregator(AggregatorSettings(pods=tuple(
         PodSpec(pod, f"tcp://127.0.0.1:{ports[pod]}") for pod in pods)))

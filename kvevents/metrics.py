@@ -140,15 +140,17 @@ class _StateCollector(Collector):
         yield applied
         yield blocks
 
+        # Every followed pod gets a series, 0 until it happens, so dashboards show 0
+        # rather than "no data" for the healthy case.
+        pod_names = [spec.name for spec in agg.pod_specs()]
         unknown = CounterMetricFamily(
             "kvevents_unknown_removals", "Removals of blocks never seen stored", labels=["pod"])
-        for pod, n in counters.unknown_removals.items():
-            unknown.add_metric([pod], n)
-        yield unknown
         orphans = CounterMetricFamily(
             "kvevents_orphan_blocks", "Stored blocks whose parent was unknown", labels=["pod"])
-        for pod, n in counters.orphan_blocks.items():
-            orphans.add_metric([pod], n)
+        for pod in pod_names:
+            unknown.add_metric([pod], counters.unknown_removals.get(pod, 0))
+            orphans.add_metric([pod], counters.orphan_blocks.get(pod, 0))
+        yield unknown
         yield orphans
 
         resident = GaugeMetricFamily(

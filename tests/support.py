@@ -122,7 +122,8 @@ def require_binary(name: str) -> str:
 class PrometheusServer:
     """A real Prometheus (Debian package) scraping ``targets`` every second."""
 
-    def __init__(self, tmp_path, targets: dict[str, list[str]], binary: str = "prometheus") -> None:
+    def __init__(self, tmp_path, targets: dict[str, list[str]], binary: str = "prometheus",
+                 file_sd: str | None = None) -> None:
         import subprocess
 
         self.port = free_port()
@@ -132,6 +133,9 @@ class PrometheusServer:
             f"      - targets: [{', '.join(repr(t) for t in hosts)}]\n"
             for job, hosts in targets.items()
         )
+        if file_sd is not None:  # targets from a file_sd JSON (e.g. the demo's)
+            jobs += (f"  - job_name: file_sd\n    scrape_interval: 1s\n    file_sd_configs:\n"
+                     f"      - files: [{file_sd!r}]\n        refresh_interval: 1s\n")
         cfg = tmp_path / "prometheus.yml"
         cfg.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n{jobs}")
         self._log = open(tmp_path / "prometheus.log", "w")

@@ -192,6 +192,7 @@ def test_event_stream_reports_applied_batches(fleet):
                 kinds.append(line[7:])
             elif line.startswith("data: ") and kinds[-1] == "batch":
                 batch = json.loads(line[6:])
+            if batch is not None and "summary" in kinds:
                 break
     assert "summary" in kinds and batch["pod"] == "a" and batch["stored"] == 1
 

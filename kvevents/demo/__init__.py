@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -43,8 +44,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU KV blocks per engine (16 tokens; 8192 fits the trace's longest prompt)")
     p.add_argument("--cpu-blocks", type=int, default=4096, help="CPU tier offloaded blocks per engine")
     p.add_argument("--offloaded-block-size", type=int, default=64, help="tokens per offloaded block")
+    p.add_argument("--prometheus-targets", default=None, metavar="PATH",
+                   help="write a Prometheus file_sd JSON of the aggregator's and engines' "
+                        "/metrics, to point a Prometheus at the running demo")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-dir", default=None, help="child process logs (default: a temp dir)")
+
+
+def write_targets(path: str, fleet: Fleet) -> None:
+    """Prometheus ``file_sd_configs`` targets: the aggregator and every engine."""
+    groups = [{"targets": [f"127.0.0.1:{fleet.port}"], "labels": {"job": "kvevents-aggregator"}},
+              {"targets": [f"127.0.0.1:{e.ports.metrics}" for e in fleet.engines],
+               "labels": {"job": "kvevents-engines"}}]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(groups, f)
+    os.replace(tmp, path)  # Prometheus never sees a half-written file
 
 
 def print_summary(s: dict) -> None:
@@ -109,6 +124,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 raise RuntimeError("the aggregator did not start")
             time.sleep(0.2)
         print(f"live page: {url}/   (API docs: {url}/docs, metrics: {url}/metrics)", flush=True)
+        if args.prometheus_targets:
+            write_targets(args.prometheus_targets, fleet)
         print(f"routing {len(requests)} requests with policy {args.policy!r} over ~{wall:.0f} s", flush=True)
         driver = Driver(fleet, requests, args.policy, wall, progress=not args.no_progress)
         elapsed = driver.run()
