@@ -96,11 +96,12 @@ def main() -> None:
     ap.add_argument("--cpu-blocks", type=int, default=8192, help="offloaded blocks per engine")
     ap.add_argument("--offloaded-block-size", type=int, default=64)
     ap.add_argument("--policies", default="kv,round_robin,least_loaded")
+    ap.add_argument("--cpu-tiers", default="off,on", help="run without and/or with the CPU tier")
     ap.add_argument("--json", default="benchmarks/results/routing.json")
     args = ap.parse_args()
     requests = mooncake_trace(args.trace, args.requests)
     runs = []
-    for cpu_tier in (False, True):
+    for cpu_tier in [t == "on" for t in args.cpu_tiers.split(",")]:
         for policy in args.policies.split(","):
             r = simulate(requests, policy, args.engines, cpu_tier, args.gpu_blocks, args.cpu_blocks,
                          args.offloaded_block_size)

@@ -9,13 +9,15 @@ KV-aware scoring, per candidate::
 
     cache = (w_GPU * gpu_run + w_CPU * (any_tier_run - gpu_run)) / prompt_tokens
     load  = waiting + running + kv_weight * kv_usage
-    score = cache - load_weight * load / (max_load + 1)
+    score = cache - load_weight * load / (max_load + 1) + affinity_weight * [affine]
 
 ``gpu_run`` is the leading prefix the engine holds on the GPU; blocks past it that are
 cached on the CPU tier still save prefill but cost a load, hence the lower CPU weight.
 The load guard: a candidate more than ``max_imbalance`` requests busier than the least
 loaded one is not eligible (unless none is), so a hot prefix cannot pile every request
-onto one engine. Ties (scores within ``1e-9``) are broken by a hash of the prompt's
+onto one engine. ``affine`` marks the engine the prompt's distinctive part (the tokens
+after what every engine caches) hashes to: a conversation keeps going back to the same
+engine, which keeps per-engine reuse distances short. Ties (scores within ``1e-9``) are broken by a hash of the prompt's
 first tokens and the engine name: deterministic for a given prompt, spread over
 engines across prompts.
 """
@@ -79,12 +81,13 @@ class KVRouterConfig:
     load_weight: float = 0.5
     kv_weight: float = 1.0
     max_imbalance: float = 8.0  # requests
+    affinity_weight: float = 0.15
 
     def __post_init__(self) -> None:
         if any(w < 0 for w in self.tier_weights.values()):
             raise ValueError("tier weights must be >= 0")
-        if self.load_weight < 0 or self.kv_weight < 0 or self.max_imbalance < 0:
-            raise ValueError("load_weight, kv_weight and max_imbalance must be >= 0")
+        if min(self.load_weight, self.kv_weight, self.max_imbalance, self.affinity_weight) < 0:
+            raise ValueError("load_weight, kv_weight, max_imbalance, affinity_weight must be >= 0")
 
 
 def _load_of(c: Candidate, kv_weight: float) -> float:
@@ -114,6 +117,7 @@ class KVAwarePolicy:
         max_load, min_load = max(loads), min(loads)
         n = max(1, lookup.prompt_tokens)
         w_gpu, w_cpu = cfg.tier_weights.get("GPU", 1.0), cfg.tier_weights.get("CPU", 0.0)
+        affinity = self._affinity(token_ids, candidates, matches)
         scores = []
         for c, load in zip(candidates, loads):
             m = matches.get(c.pod)
@@ -122,6 +126,8 @@ class KVAwarePolicy:
             gpu = min(tiers.get("GPU", 0), total)
             cache = (w_gpu * gpu + w_cpu * (total - gpu)) / n
             score = cache - cfg.load_weight * load / (max_load + 1)
+            if c.pod == affinity:
+                score += cfg.affinity_weight
             eligible = load - min_load <= cfg.max_imbalance
             scores.append(PodScore(c.pod, score, cache, load, total, tiers, eligible))
         pool = [s for s in scores if s.eligible] or scores
@@ -131,6 +137,22 @@ class KVAwarePolicy:
         reason = self._reason(best, scores, pool, tied, n)
         scores.sort(key=lambda s: -s.score)
         return RouteDecision(best.pod, best.matched_tokens, best.tiers, scores, reason)
+
+    @staticmethod
+    def _affinity(token_ids: Sequence[int], candidates: Sequence[Candidate],
+                  matches: dict) -> str:
+        """The engine this prompt's *distinctive* part hashes to (rendezvous hashing).
+
+        The part every candidate already caches (a shared system prompt) says nothing;
+        the tokens right after it (a conversation's first message, a document) do, and
+        they repeat in every later turn. Hashing them sends a conversation back to the
+        same engine even after its blocks were evicted there, so each engine serves a
+        stable share of conversations and its cache holds them longer.
+        """
+        common = min((matches[c.pod].tokens if c.pod in matches else 0) for c in candidates)
+        key = ",".join(map(str, token_ids[common:common + 64])).encode()
+        return max(candidates, key=lambda c: hashlib.blake2b(
+            key + b"|" + c.pod.encode(), digest_size=8).digest()).pod
 
     @staticmethod
     def _reason(best: PodScore, scores: list[PodScore], pool: list[PodScore],
