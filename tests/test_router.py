@@ -133,7 +133,7 @@ def server():
 def test_route_over_http(server):
     url = server.url
     r = httpx.post(f"{url}/v1/route", json={"token_ids": PROMPT, "candidates": [
-        {"pod": "a", "load": {"running": 1, "kv_usage": 0.5}}, {"pod": "b", "load": {"running": 1}}]})
+        {"pod": "a", "load": {"kv_usage": 0.2}}, {"pod": "b", "load": {"running": 2}}]})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["pod"] == "a" and body["matched_tokens"] == 32 and body["tiers"] == {"GPU": 32}
