@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=300, help="with --trace: first N requests")
     p.add_argument("--time-scale", type=float, default=None,
                    help="with --trace: simulated seconds per wall second (default: fit --duration)")
-    p.add_argument("--gpu-blocks", type=int, default=8192,
-                   help="GPU KV blocks per engine (16 tokens; 8192 fits the trace's longest prompt)")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="GPU KV blocks per engine, 16 tokens each (default 1024, small enough that "
+                        "the CPU tier matters; 8192 with --trace, to fit its longest prompt)")
     p.add_argument("--cpu-blocks", type=int, default=4096, help="CPU tier offloaded blocks per engine")
     p.add_argument("--offloaded-block-size", type=int, default=64, help="tokens per offloaded block")
     p.add_argument("--prometheus-targets", default=None, metavar="PATH",
@@ -104,7 +105,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.trace and args.time_scale:
         wall = requests[-1].arrival / args.time_scale
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvevents-demo-")
-    fleet = Fleet(args.engines, args.port, not args.no_cpu_tier, gpu_blocks=args.gpu_blocks,
+    gpu_blocks = args.gpu_blocks or (8192 if args.trace else 1024)
+    fleet = Fleet(args.engines, args.port, not args.no_cpu_tier, gpu_blocks=gpu_blocks,
                   cpu_blocks=args.cpu_blocks, offloaded_block_size=args.offloaded_block_size,
                   log_dir=log_dir)
     driver = None

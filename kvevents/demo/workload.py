@@ -48,7 +48,7 @@ def builtin(n_requests: int = 240, rate: float = 4.0, seed: int = 0) -> list[Dem
             answer = rng.integers(0, VOCAB, int(rng.integers(64, 256)))
             user = rng.integers(0, VOCAB, int(rng.integers(64, 512)))
             prompt = np.concatenate([conversations[c], answer, user])
-            if prompt.size > 24_000:  # a conversation that got too long starts over
+            if prompt.size > 14_000:  # a conversation that got too long starts over
                 prompt = np.concatenate([systems[c % 4], user])
             conversations[c] = prompt
         elif kind < 0.7:
