@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from browser import READ_PAGE, Browser

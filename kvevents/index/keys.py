@@ -33,8 +33,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .hashtable import mix64
-
 _M = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
 _M_INV = pow(_M, -1, 1 << 64)
 _P = 0xD6E8FEB86659FD93  # per-position multiplier for the row hash
