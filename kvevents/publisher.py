@@ -131,10 +131,6 @@ class ZmqEventPublisher(EventPublisher):
         )
         self._topic = self.config.topic.encode()
         self._queue: queue.SimpleQueue[tuple[int, KVEventBatch] | None] = queue.SimpleQueue()
-        # SimpleQueue has no bound; the bound is enforced with an approximate counter.
-        # Reads and writes of an int are atomic under the GIL; a race can only let the
-        # queue exceed the bound by the number of concurrent publishers.
-        self._qsize = 0
         self._seq = itertools.count()
         self._next_seq = 0
         self._published = 0
@@ -164,12 +160,13 @@ class ZmqEventPublisher(EventPublisher):
         seq = next(self._seq)
         self._next_seq = seq + 1
         self._published += 1
-        if self._closing.is_set() or self._qsize >= self.config.max_queue_size:
+        # SimpleQueue has no bound of its own; its qsize() is exact and O(1). Concurrent
+        # publishers can overshoot the bound by at most their number.
+        if self._closing.is_set() or self._queue.qsize() >= self.config.max_queue_size:
             self._dropped += 1
             return False
         if self.config.data_parallel_rank is not None and batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.config.data_parallel_rank
-        self._qsize += 1
         self._queue.put((seq, batch))
         return True
 
@@ -188,7 +185,7 @@ class ZmqEventPublisher(EventPublisher):
             dropped=self._dropped,
             replay_requests=self._replay_requests,
             replayed=self._replayed,
-            queued=max(self._qsize, 0),
+            queued=self._queue.qsize(),
             next_seq=self._next_seq,
         )
 
@@ -234,7 +231,6 @@ class ZmqEventPublisher(EventPublisher):
                 if item is None:  # shutdown sentinel: drain what is left, bounded
                     deadline = time.monotonic() + self._drain_timeout
                     continue
-                self._qsize -= 1
                 seq, batch = item
                 try:
                     payload = encoder.encode(batch)

@@ -19,7 +19,8 @@ from typing import Any
 
 from kvevents.transport import validate_endpoint
 
-_POD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+POD_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+_POD_NAME = re.compile(POD_NAME_PATTERN)
 
 
 def validate_pod_name(name: str) -> str:

@@ -178,9 +178,6 @@ class Subscriber:
             return self._final_stats
         return {n: SourceStats(**vars(s.stats)) for n, s in list(self._sources.items())}
 
-    def sources(self) -> dict[str, SourceConfig]:
-        return {n: s.config for n, s in list(self._sources.items())}
-
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvevents-subscriber", daemon=True)
         self._thread.start()

@@ -84,7 +84,7 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
         def scraped() -> bool:
             up = prom.query("up")
             return len(up) == 3 and all(r["value"][1] == "1" for r in up) and bool(
-                prom.query("kvevents_engine_requests_total > 0"))
+                prom.query('kvevents_engine_hit_tokens_total{tier="GPU"} > 0'))
 
         assert wait_until(scraped, 60, 0.5), prom.query("up")
         queries = panel_queries()
@@ -96,7 +96,6 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
                 if not prom.query(f'{{__name__=~"{name}.*"}}'):
                     missing.add(name)
         assert not missing, f"panel metrics with no data from the demo: {sorted(missing)}"
-        assert float(prom.query("sum(kvevents_engine_hit_tokens_total)")[0]["value"][1]) >= 0
         out, _ = demo.communicate(timeout=180)
     finally:
         if browser is not None:

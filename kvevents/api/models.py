@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvevents.settings import POD_NAME_PATTERN
+
 # Strict: "5" is not a token id; a float is not either.
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
 
@@ -72,7 +74,7 @@ class LookupResponse(BaseModel):
 
 
 class PodCreate(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+    name: str = Field(pattern=POD_NAME_PATTERN)
     endpoint: str = Field(description="The publisher's live endpoint, tcp://HOST:PORT.")
     replay_endpoint: str | None = Field(None, description="Its replay (ROUTER) endpoint.")
     model: str | None = None
