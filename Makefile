@@ -11,7 +11,8 @@ PYTEST_ARGS ?=
 
 .PHONY: test demo install system-deps bench clean
 
-$(STAMP): pyproject.toml
+# The compiled index core is built by the editable install: rebuild when its source changes.
+$(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(BIN)/python -m pip install -q $(TORCH)
@@ -45,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_publisher.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache kvevents/index/_core.c kvevents/index/*.so

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
-from support import LossyForwarder, free_port
+from support import LossyForwarder, free_port, wait_until
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
@@ -20,13 +21,22 @@ def test_tail_shows_a_lost_live_batch_recovered_through_replay():
          "--replay", f"tcp://127.0.0.1:{replay}", "--max-batches", "4", "--duration", "20"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    lines_seen: list[str] = []
+    reader = threading.Thread(target=lambda: lines_seen.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
     try:
-        time.sleep(1.0)  # the process starts and subscribes
+        # The process has started when it prints its header; then give its SUB socket
+        # time to connect and subscribe (ZeroMQ drops what a PUB sends before that).
+        assert wait_until(lambda: bool(lines_seen), 20, 0.05), "tail printed nothing"
+        time.sleep(1.0)
         pub.publish(KVEventBatch(1.0, [BlockStored([11, 12], None, list(range(32)), 16, None, "GPU", None)]))
         pub.publish(KVEventBatch(2.0, [BlockStored([13], 12, list(range(32, 48)), 16, None, "CPU", "lora-x")]))
         pub.publish(KVEventBatch(3.0, [BlockRemoved([11, 12], "GPU")]))  # dropped on the live hop
         pub.publish(KVEventBatch(4.0, [AllBlocksCleared()]))
-        out, _ = proc.communicate(timeout=25)
+        proc.wait(timeout=25)
+        reader.join(5)
+        out = "".join(lines_seen)
     finally:
         proc.kill()
         fwd.close()

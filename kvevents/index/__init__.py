@@ -2,17 +2,20 @@
 
 Files, one concept each::
 
-    hashtable.py  U64Table: compact uint64 -> int32 open-addressing table, vectorised
-    keys.py       content keys: chained hash over block tokens, LoRA, extra keys, model
-    podmap.py     per-pod engine hash -> slot translation (removals, parents)
-    store.py      Residency: slots, per-tier pod bitmasks, reference counts
+    _core.pyx     the compiled core: slots, residency masks, refcounts, hash tables;
+                  applies a whole batch and matches a whole prompt in one call each
+    _tables.pxi   its open-addressing hash tables (included by _core.pyx)
+    registry.py   pod names <-> core ids
+    index.py      PrefixIndex: the facade (lock, counters by name, lookup results)
+    queries.py    inspection queries, read in short chunks (top prefixes, pod blocks)
+    state.py      export / import of the whole index for snapshots
     results.py    query/result types (msgspec Structs)
-    index.py      PrefixIndex: apply_batch / drop_pod / lookup / queries, one lock
 
-    batch ─► PrefixIndex.apply_batch ─► keys ─► store (+podmap) ◄─ lookup / queries
+    batch ─► PrefixIndex.apply_batch ─► Core.apply ◄─ Core.match ◄─ PrefixIndex.lookup
 """
 
-from .index import PrefixIndex, feeds_prefix_matching
+from ._core import REASONS as REFUSAL_REASONS
+from .index import IndexBusy, PrefixIndex, feeds_prefix_matching
 from .results import (
     ApplyStats,
     BlockHolder,
@@ -25,10 +28,12 @@ from .results import (
 )
 
 __all__ = [
+    "REFUSAL_REASONS",
     "ApplyStats",
     "BlockHolder",
     "BlockInfo",
     "EventCount",
+    "IndexBusy",
     "IndexCounters",
     "LookupResult",
     "PodMatch",

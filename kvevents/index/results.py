@@ -58,6 +58,7 @@ class ApplyStats(msgspec.Struct, gc=False):
     unknown_removals: int = 0
     orphan_blocks: int = 0
     ignored_events: int = 0
+    refused_events: int = 0
 
 
 class BlockHolder(msgspec.Struct, gc=False):
@@ -71,7 +72,8 @@ class BlockInfo(msgspec.Struct, gc=False):
     """Answer of :meth:`PrefixIndex.blocks_by_engine_hash`.
 
     ``holders``: pods that hold the block now (empty when nobody does).
-    ``tokens``: the block's tokens when a self-describing event announced it, else None.
+    ``tokens``: the block's tokens when the index keeps them: for blocks within a
+    sequence's first 64 tokens announced by a self-describing event; else None.
     ``depth``: 1-based position of the block in its sequence; 0 when unknown (orphan or
     token-less). ``model`` / ``block_size`` / ``lora_name``: the block's namespace.
     """
@@ -114,7 +116,9 @@ class EventCount(msgspec.Struct, gc=False):
 class IndexCounters(msgspec.Struct, gc=False):
     """Monotonic counters since the index was created (kept across pod drops), plus
     current sizes. Per-pod dicts are keyed by pod name. ``applied`` has one row per
-    (pod, tier, event type); AllBlocksCleared rows have tier "*"."""
+    (pod, tier, event type); AllBlocksCleared rows have tier "*". ``refused_events``:
+    per pod, events refused by reason (see ``kvevents.index.REFUSAL_REASONS``).
+    ``namespaces`` / ``tiers``: namespaces and media known (both capped)."""
 
     applied: list[EventCount]
     unknown_removals: dict[str, int]
@@ -122,3 +126,6 @@ class IndexCounters(msgspec.Struct, gc=False):
     ignored_events: dict[str, int]
     resident_entries: int
     distinct_blocks: int
+    refused_events: dict[str, dict[str, int]] = {}
+    namespaces: int = 0
+    tiers: list[str] = []

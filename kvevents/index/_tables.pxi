@@ -1,0 +1,142 @@
+# Hash tables of the compiled index core (included by _core.pyx).
+#
+# One open-addressing table type serves three maps:
+#   content  : content key          -> slot
+#   pod maps : engine hash (64 bit) -> slot, one table per pod
+#   side refs: (slot, pod, tier)    -> extra references beyond the first
+# Buckets are packed 12-byte (key, value) pairs; value -1 marks an empty bucket, so
+# every 64-bit key (0 included) is storable. Linear probing on a mixed key, load kept
+# <= 3/4, and backward-shift deletion, so there are no tombstones to clean up and a
+# table never degrades under churn (evict / store cycles are the normal workload).
+
+cdef packed struct Bucket:
+    uint64_t key
+    int32_t val
+
+
+cdef struct Table:
+    Bucket* b
+    uint64_t mask      # capacity - 1 (capacity is a power of two)
+    int64_t n          # live entries
+
+
+cdef inline uint64_t mix64(uint64_t x) nogil:
+    """splitmix64's finaliser: a bijection with full avalanche."""
+    x ^= x >> 30
+    x *= <uint64_t>0xBF58476D1CE4E5B9ULL
+    x ^= x >> 27
+    x *= <uint64_t>0x94D049BB133111EBULL
+    x ^= x >> 31
+    return x
+
+
+cdef int table_init(Table* t, uint64_t cap) except -1:
+    cdef uint64_t c = 8
+    while c < cap:
+        c <<= 1
+    t.b = <Bucket*>malloc(c * sizeof(Bucket))
+    if t.b == NULL:
+        raise MemoryError()
+    cdef uint64_t i
+    for i in range(c):
+        t.b[i].val = -1
+    t.mask = c - 1
+    t.n = 0
+    return 0
+
+
+cdef void table_free(Table* t) noexcept:
+    if t.b != NULL:
+        free(t.b)
+    t.b = NULL
+    t.n = 0
+    t.mask = 0
+
+
+cdef inline int32_t table_get(const Table* t, uint64_t key) noexcept nogil:
+    if t.b == NULL:
+        return -1
+    cdef uint64_t i = mix64(key) & t.mask
+    while True:
+        if t.b[i].val < 0:
+            return -1
+        if t.b[i].key == key:
+            return t.b[i].val
+        i = (i + 1) & t.mask
+
+
+cdef int table_grow(Table* t) except -1:
+    cdef Table nt
+    table_init(&nt, (t.mask + 1) * 2)
+    cdef uint64_t i, j
+    cdef Bucket* old = t.b
+    for i in range(t.mask + 1):
+        if old[i].val >= 0:
+            j = mix64(old[i].key) & nt.mask
+            while nt.b[j].val >= 0:
+                j = (j + 1) & nt.mask
+            nt.b[j] = old[i]
+    nt.n = t.n
+    free(old)
+    t[0] = nt
+    return 0
+
+
+cdef int32_t table_put(Table* t, uint64_t key, int32_t val) except -2:
+    """Insert or overwrite. Returns -1 when the key was new, else its previous value."""
+    cdef int32_t old
+    if t.b == NULL:
+        table_init(t, 8)
+    if (t.n + 1) * 4 > (t.mask + 1) * 3:
+        table_grow(t)
+    cdef uint64_t i = mix64(key) & t.mask
+    while t.b[i].val >= 0:
+        if t.b[i].key == key:
+            old = t.b[i].val
+            t.b[i].val = val
+            return old
+        i = (i + 1) & t.mask
+    t.b[i].key = key
+    t.b[i].val = val
+    t.n += 1
+    return -1
+
+
+cdef inline void table_set_at(Table* t, uint64_t key, int32_t val) noexcept nogil:
+    """Overwrite the value of a key known to be present."""
+    cdef uint64_t i = mix64(key) & t.mask
+    while t.b[i].key != key or t.b[i].val < 0:
+        i = (i + 1) & t.mask
+    t.b[i].val = val
+
+
+cdef bint table_del(Table* t, uint64_t key) noexcept nogil:
+    """Remove ``key``; returns whether it was present (backward-shift deletion)."""
+    if t.b == NULL:
+        return False
+    cdef uint64_t mask = t.mask
+    cdef uint64_t i = mix64(key) & mask
+    cdef uint64_t j, home
+    while True:
+        if t.b[i].val < 0:
+            return False
+        if t.b[i].key == key:
+            break
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if t.b[j].val < 0:
+            break
+        home = mix64(t.b[j].key) & mask
+        # Move b[j] into the hole at i unless its home lies cyclically in (i, j].
+        if (i <= j and (home <= i or home > j)) or (i > j and (home <= i and home > j)):
+            t.b[i] = t.b[j]
+            i = j
+    t.b[i].val = -1
+    t.n -= 1
+    return True
+
+
+cdef inline int64_t table_nbytes(const Table* t) noexcept nogil:
+    return 0 if t.b == NULL else <int64_t>((t.mask + 1) * sizeof(Bucket))

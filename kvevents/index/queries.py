@@ -1,0 +1,174 @@
+"""Inspection queries of :class:`~kvevents.index.PrefixIndex` (dashboards, debugging):
+where an engine hash lives, a pod's blocks, the most shared prefixes.
+
+Readers never stall the writer: queries whose cost grows with the index read it in
+chunks of ``CHUNK`` slots or table buckets, taking the index lock once per chunk (tens
+of microseconds each), so ingest runs between chunks. Such an answer is not an atomic
+snapshot while ingest runs; on a quiet index it is exact. ``top_prefixes`` answers are
+cached for ``PREFIX_TTL_S`` so clients polling it cost one scan a second in all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import TYPE_CHECKING
+
+from ..schema import BlockHash
+from .results import BlockHolder, BlockInfo, PrefixInfo
+
+if TYPE_CHECKING:
+    from .index import PrefixIndex
+
+CHUNK = 16384
+PREFIX_TTL_S = 1.0
+LEADING_TOKENS = 64
+WALK_STEPS = 256
+_MASK64 = (1 << 64) - 1
+
+
+def hash64(h: BlockHash) -> int:
+    """An engine hash reduced to 64 bits as the core does: ints modulo 2^64 (so signed
+    int64 hashes map to their two's complement), bytes by their last 8 bytes."""
+    if isinstance(h, bytes):
+        return int.from_bytes(h[-8:].rjust(8, b"\0"), "little")
+    return h & _MASK64
+
+
+def blocks_by_engine_hash(index: PrefixIndex, block_hash: BlockHash) -> BlockInfo:
+    h = hash64(block_hash)
+    with index.lock:
+        core = index._core
+        tn = core.tier_name
+        holders: list[BlockHolder] = []
+        best = None  # (depth, slot)
+        for pid, name in enumerate(index._pods.names):
+            if name is None:
+                continue
+            s = core.slot_of_hash(pid, h)
+            if s < 0:
+                continue
+            tiers = {tn[t]: c for t in range(len(tn)) if (c := core.refcount(s, pid, t))}
+            if tiers:
+                holders.append(BlockHolder(pod=name, tiers=tiers))
+                d = core.slot_info(s)[2]
+                if best is None or d > best[0]:
+                    best = (d, s)
+        info = BlockInfo(engine_hash=block_hash, holders=sorted(holders, key=lambda x: x.pod))
+        if best is not None:
+            _key, _parent, depth, ns, toks = core.slot_info(best[1])
+            info.model, info.block_size, info.lora_name = core.ns_info[ns]
+            info.depth = depth
+            info.tokens = toks
+    return info
+
+
+def engine_hashes(index: PrefixIndex, pod: str) -> dict[str, set[BlockHash]]:
+    out: dict[str, set[BlockHash]] = {}
+    start = 0
+    while start >= 0:
+        with index.lock:
+            pid = index._pods.get(pod)
+            if pid is None:
+                return {}
+            core = index._core
+            start, chunk = core.pod_entries(pid, start, CHUNK)
+            signed = core.pod_signed(pid)
+            orig = core.pod_orig[pid]
+            tn = list(core.tier_name)
+        for h, _slot, tmask in chunk:
+            v = orig.get(h, h) if orig else h
+            if signed and isinstance(v, int) and v >= 1 << 63:
+                v -= 1 << 64
+            t = 0
+            while tmask:
+                if tmask & 1:
+                    out.setdefault(tn[t], set()).add(v)
+                tmask >>= 1
+                t += 1
+    return out
+
+
+def top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> list[PrefixInfo]:
+    if limit <= 0:
+        return []
+    key = (model, limit)
+    hit = index._prefix_cache.get(key)
+    if hit is not None and time.monotonic() - hit[0] < PREFIX_TTL_S:
+        return hit[1]
+    out = _scan_top_prefixes(index, model, limit)
+    index._prefix_cache[key] = (time.monotonic(), out)
+    return out
+
+
+def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> list[PrefixInfo]:
+    """Two chunked passes over the slots (mark the parents a child dominates: held by
+    as many pods, so never the longest extent; then keep the best undominated
+    candidates), then candidates in score order, each checked alive and walked to its
+    root under a short lock."""
+    core = index._core
+    with index.lock:
+        n = core.n_slot_hw
+        ns_filter = None
+        if model is not None:
+            ns_filter = bytes(1 if m == model else 0 for (m, _, _) in core.ns_info)
+    dominated = bytearray(n)
+    dom = memoryview(dominated)
+    for start in range(0, n, CHUNK):
+        with index.lock:
+            core.scan_prefixes(start, CHUNK, ns_filter, dom, True)
+    keep = max(4 * limit, limit + 64)
+    heap: list[tuple[int, int, int]] = []
+    for start in range(0, n, CHUNK):
+        with index.lock:
+            cand = core.scan_prefixes(start, CHUNK, ns_filter, dom, False)
+        for c in cand:
+            if len(heap) < keep:
+                heapq.heappush(heap, c)
+            elif c > heap[0]:
+                heapq.heapreplace(heap, c)
+    out: list[PrefixInfo] = []
+    covered: set[int] = set()
+    for score, slot, skey in sorted(heap, key=lambda c: (-c[0], c[1])):
+        if len(out) >= limit:
+            break
+        if skey in covered:
+            continue
+        with index.lock:
+            if not core.slot_alive(slot, skey):
+                continue
+            _k, parent, depth, ns, _t = core.slot_info(slot)
+            pods = sorted(index._pods.names[p] for p in core.holders(slot)
+                          if index._pods.names[p] is not None)
+            mdl, bs, lora = core.ns_info[ns]
+        # Walk to the root (WALK_STEPS blocks per lock hold): marks the sub-prefixes,
+        # collects the leading tokens. A block freed meanwhile ends the walk.
+        chain_toks: list[list[int] | None] = []
+        cur, cur_key, d = slot, skey, depth
+        while cur >= 0 and d > 0:
+            with index.lock:
+                for _ in range(WALK_STEPS):
+                    if not core.slot_alive(cur, cur_key):
+                        cur = -1
+                        break
+                    covered.add(cur_key)
+                    _k, parent, d, _ns, toks = core.slot_info(cur)
+                    if (d - 1) * bs < LEADING_TOKENS:
+                        chain_toks.append(toks)
+                    if d <= 1:
+                        cur = -1
+                        break
+                    cur_key = parent
+                    cur = core.slot_of_key(parent)
+                    if cur < 0:
+                        break
+        lead: list[int] = []
+        for toks in reversed(chain_toks):
+            if toks is None or len(lead) >= LEADING_TOKENS:
+                break
+            lead.extend(toks)
+        out.append(PrefixInfo(
+            tokens=depth * bs, blocks=depth, block_size=bs, leading_tokens=lead[:LEADING_TOKENS],
+            pods=pods, model=mdl, lora_name=lora,
+        ))
+    return out
