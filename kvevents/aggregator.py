@@ -161,10 +161,13 @@ class Aggregator:
 
     def lookup(
         self, token_ids: list[int], model: str | None = None, lora_name: str | None = None,
-        *, endpoint: str = "lookup",
+        *, endpoint: str = "lookup", blocking: bool = True,
     ) -> LookupResult:
+        """Index lookup, timed into the metrics. ``blocking=False`` raises
+        :class:`~kvevents.index.IndexBusy` instead of waiting for the index lock."""
         t0 = time.perf_counter()
-        result = self.index.lookup(token_ids, model=model, lora_name=lora_name)
+        result = self.index.lookup(token_ids, model=model, lora_name=lora_name,
+                                   blocking=blocking)
         self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result)
         return result
 

@@ -205,3 +205,40 @@ def test_openapi_documents_the_api(fleet):
         assert path in spec["paths"], path
     body = spec["paths"]["/v1/lookup"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "token_ids" in body["properties"] and body["required"] == ["token_ids"]
+
+
+def test_handlers_never_block_the_event_loop_on_the_index_lock():
+    """While the ingest side holds the index lock, a lookup waits in a worker thread
+    and the event loop keeps answering (an async route here: the OpenAPI schema)."""
+    import threading
+
+    agg_settings = AggregatorSettings(pods=())
+    app = create_app(agg_settings)
+    with ServerThread(app) as srv:
+        url = f"http://127.0.0.1:{srv.port}"
+        with httpx.Client(timeout=10) as c:
+            assert c.post(f"{url}/v1/lookup", json={"token_ids": P}).status_code == 200
+            index = app.state.aggregator.index
+            released = threading.Event()
+            index.lock.acquire()
+            try:
+                results: list[float] = []
+
+                def slow_lookup():
+                    t0 = time.monotonic()
+                    with httpx.Client(timeout=10) as c2:
+                        assert c2.post(f"{url}/v1/lookup", json={"token_ids": P}).status_code == 200
+                    results.append(time.monotonic() - t0)
+
+                t = threading.Thread(target=slow_lookup)
+                t.start()
+                time.sleep(0.3)  # the lookup is now waiting for the lock
+                t0 = time.monotonic()
+                assert c.get(f"{url}/openapi.json").status_code == 200
+                assert time.monotonic() - t0 < 1.0
+                assert not results  # still waiting: the lock is held
+            finally:
+                index.lock.release()
+                released.set()
+            t.join(10)
+            assert results and results[0] >= 0.3

@@ -7,6 +7,7 @@ import json
 import time
 from importlib import resources
 
+from starlette.concurrency import run_in_threadpool
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import HTMLResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -76,7 +77,8 @@ async def events(
                 yield _sse(item_id, kind, data)
                 cursor = item_id
             if now >= next_summary:
-                yield _sse(None, "summary", summary(agg))
+                # (off the loop: it reads the index under its lock)
+                yield _sse(None, "summary", await run_in_threadpool(summary, agg))
                 next_summary = now + _SSE_SUMMARY_S
             await asyncio.sleep(_SSE_TICK_S)
 

@@ -6,6 +6,7 @@ import msgspec
 from fastapi import APIRouter, Depends, Query, Response
 
 from kvevents.aggregator import Aggregator
+from kvevents.api import offloop
 from kvevents.api.body import LookupBody, decode_lookup
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, BlockResponse, LookupRequest, LookupResponse, PrefixesResponse
@@ -44,14 +45,14 @@ def body_doc(model: type) -> dict:
 
 
 # async: the lookup is CPU-light and short, so it runs on the event loop instead of
-# paying a thread-pool hop per request.
+# paying a thread-pool hop per request; a wait for the index lock goes to a thread.
 @router.post("/lookup", response_model=LookupResponse, responses=ERRORS,
              openapi_extra=body_doc(LookupRequest),
              summary="Per pod, how many leading prompt tokens are cached, per tier and in total")
 async def lookup(body: LookupBody = Depends(decode_lookup),
                  agg: Aggregator = Depends(get_aggregator)) -> Response:
     check_prompt(body.token_ids, agg)
-    result = agg.lookup(body.token_ids, model=body.model, lora_name=body.lora_name)
+    result = await offloop.lookup(agg, body.token_ids, body.model, body.lora_name, "lookup")
     return json_response(lookup_payload(result))
 
 

@@ -7,6 +7,7 @@ import dataclasses
 from fastapi import APIRouter, Depends, Response
 
 from kvevents.aggregator import Aggregator
+from kvevents.api import offloop
 from kvevents.api.body import RouteBody, decode_route
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, RouteRequest, RouteResponse
@@ -48,8 +49,7 @@ async def route(body: RouteBody = Depends(decode_route),
                 agg: Aggregator = Depends(get_aggregator)) -> Response:
     check_prompt(body.token_ids, agg)
     candidates = candidates_of(body, agg)
-    lookup = agg.lookup(body.token_ids, model=body.model, lora_name=body.lora_name,
-                        endpoint="route")
+    lookup = await offloop.lookup(agg, body.token_ids, body.model, body.lora_name, "route")
     decision = agg.router.choose(body.token_ids, lookup, candidates)
     return json_response({
         "pod": decision.pod, "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,
