@@ -164,12 +164,47 @@ def peek_batch_ts(payload: bytes) -> float | None:
         return None
 
 
+# ---------------------------------------------------------------------------
+# Ingest variants: the same events with ``token_ids`` left as raw msgpack, for the
+# aggregator's index, whose compiled core reads the token array straight from those
+# bytes (no Python int per token). Derived from the structs above, so the wire schema
+# is still written once; only BatchDecoder(raw_tokens=True) produces them.
+
+
+def _raw_tokens_variant(cls: type, name: str) -> type:
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        typ = msgspec.Raw if f.name == "token_ids" else f.type
+        fields.append((f.name, typ) if f.required else (f.name, typ, f.default))
+    cfg = cls.__struct_config__
+    return msgspec.defstruct(
+        name, fields, tag=cfg.tag, tag_field=cfg.tag_field, array_like=cfg.array_like,
+        omit_defaults=cfg.omit_defaults, gc=False, module=__name__,
+    )
+
+
+#: ``BlockStored`` whose ``token_ids`` is the raw msgpack array (``msgspec.Raw``).
+RawTokensBlockStored = _raw_tokens_variant(BlockStored, "RawTokensBlockStored")
+_ArrayRawTokensBlockStored = _raw_tokens_variant(_ArrayBlockStored, "_ArrayRawTokensBlockStored")
+_RawEvent = Union[RawTokensBlockStored, BlockRemoved, AllBlocksCleared]  # type: ignore[valid-type]
+_ArrayRawEvent = Union[_ArrayRawTokensBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]  # type: ignore[valid-type]
+_RawBatchMap = msgspec.defstruct(
+    "_RawBatchMap", [("ts", float), ("events", list[_RawEvent]),
+                     ("data_parallel_rank", Union[int, None], None)],
+    array_like=True, omit_defaults=True, gc=False, module=__name__)
+_RawBatchArray = msgspec.defstruct(
+    "_RawBatchArray", [("ts", float), ("events", list[_ArrayRawEvent]),
+                       ("data_parallel_rank", Union[int, None], None)],
+    array_like=True, omit_defaults=True, gc=False, module=__name__)
+
+
 _CANONICAL = {
     _ArrayBlockStored: BlockStored,
     _ArrayBlockRemoved: BlockRemoved,
     _ArrayAllBlocksCleared: AllBlocksCleared,
+    _ArrayRawTokensBlockStored: RawTokensBlockStored,
 }
-_TO_ARRAY = {v: k for k, v in _CANONICAL.items()}
+_TO_ARRAY = {v: k for k, v in _CANONICAL.items() if v is not RawTokensBlockStored}
 
 
 def _from_array(ev: _ArrayEventT) -> Event:
@@ -199,16 +234,23 @@ class BatchDecoder:
     not shared across threads by design; use one per thread.
     """
 
-    def __init__(self) -> None:
-        self._map = msgspec.msgpack.Decoder(KVEventBatch)
-        self._array = msgspec.msgpack.Decoder(_ArrayBatch)
+    def __init__(self, raw_tokens: bool = False) -> None:
+        """``raw_tokens``: stored events come as :data:`RawTokensBlockStored` (token ids
+        left as raw msgpack, for the index's compiled core); otherwise as
+        :class:`BlockStored`."""
+        self.raw_tokens = raw_tokens
+        self._map = msgspec.msgpack.Decoder(_RawBatchMap if raw_tokens else KVEventBatch)
+        self._array = msgspec.msgpack.Decoder(_RawBatchArray if raw_tokens else _ArrayBatch)
         self._raw = msgspec.msgpack.Decoder(_RawBatch)
-        self._map_event = msgspec.msgpack.Decoder(Event)
-        self._array_event = msgspec.msgpack.Decoder(_ArrayEventT)
+        self._map_event = msgspec.msgpack.Decoder(_RawEvent if raw_tokens else Event)
+        self._array_event = msgspec.msgpack.Decoder(_ArrayRawEvent if raw_tokens else _ArrayEventT)
 
     def decode(self, payload: bytes) -> DecodeResult:
         try:
-            return DecodeResult(self._map.decode(payload))
+            b = self._map.decode(payload)
+            if type(b) is not KVEventBatch:
+                b = KVEventBatch(b.ts, b.events, b.data_parallel_rank)
+            return DecodeResult(b)
         except _DECODE_ERRORS:
             pass
         try:

@@ -30,12 +30,13 @@ or range, a namespace or tier beyond the caps) is skipped whole, before any chan
 counted by reason; the rest of its batch applies. Memory errors propagate.
 """
 
-from libc.stdint cimport uint64_t, int64_t, uint32_t, int32_t, uint16_t, uint8_t
+from libc.stdint cimport uint64_t, int64_t, uint32_t, int32_t, uint16_t, uint8_t, int8_t
 from libc.stdlib cimport malloc, calloc, realloc, free, qsort
 from libc.string cimport memset, memcpy
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLongMask
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 
 include "_tables.pxi"
 
@@ -43,7 +44,7 @@ import hashlib
 
 import msgspec
 
-from ..schema import AllBlocksCleared, BlockRemoved, BlockStored
+from ..schema import AllBlocksCleared, BlockRemoved, BlockStored, RawTokensBlockStored
 
 # Tokens of a sequence's first HEAD_TOKENS tokens are kept (for display); blocks larger
 # than MAX_KEPT_BLOCK tokens never keep theirs.
@@ -152,20 +153,20 @@ cdef class Core:
     cdef uint64_t* parent
     cdef uint32_t* depth
     cdef uint16_t* nsid
-    cdef int32_t* tok_off
     cdef uint64_t* masks[MAX_TIERS]   # per tier: cap * W words
     cdef int64_t cap, n_slots
     cdef int32_t* free_slots
     cdef int64_t n_free, free_cap
     cdef public int W
     cdef Table content, side
+    cdef Table tokt                   # slot -> arena offset, for head blocks only
     # -- pods (``pod_cap`` entries each) --
     cdef Table* pmaps
     cdef uint64_t* psalt
     cdef uint8_t* pflags
     cdef int64_t* counts              # [pod * MAX_TIERS + tier]: resident entries
     cdef int pod_cap
-    # -- kept head tokens: arena[off] = length, then the tokens --
+    # -- kept head tokens (offsets in ``tokt``): arena[off] = length, then the tokens --
     cdef int64_t* arena
     cdef int64_t arena_len, arena_cap, arena_garbage
     cdef bint keep_tokens
@@ -223,6 +224,7 @@ cdef class Core:
         self.last_refusal = None
         table_init(&self.content, 1024)
         table_init(&self.side, 64)
+        table_init(&self.tokt, 64)
         self._grow_slots(1024)
         self._grow_pods(64)
         self.free_cap = 0
@@ -238,12 +240,13 @@ cdef class Core:
         self.tier(None)  # tier 0 is GPU (the wire's None), so lookups' first tier is stable
 
     def __dealloc__(self):
-        free(self.key); free(self.parent); free(self.depth); free(self.nsid); free(self.tok_off)
+        free(self.key); free(self.parent); free(self.depth); free(self.nsid)
         for t in range(MAX_TIERS):
             free(self.masks[t])
         free(self.free_slots)
         table_free(&self.content)
         table_free(&self.side)
+        table_free(&self.tokt)
         if self.pmaps != NULL:
             for p in range(self.pod_cap):
                 table_free(&self.pmaps[p])
@@ -254,12 +257,11 @@ cdef class Core:
     # ------------------------------------------------------------------ storage
 
     cdef int _grow_slots(self, int64_t need) except -1:
-        cdef int64_t cap = max(need, self.cap + self.cap // 2, 1024)
+        cdef int64_t cap = max(need, self.cap + self.cap // 4, 1024)
         self.key = <uint64_t*>_realloc(self.key, cap * sizeof(uint64_t))
         self.parent = <uint64_t*>_realloc(self.parent, cap * sizeof(uint64_t))
         self.depth = <uint32_t*>_realloc(self.depth, cap * sizeof(uint32_t))
         self.nsid = <uint16_t*>_realloc(self.nsid, cap * sizeof(uint16_t))
-        self.tok_off = <int32_t*>_realloc(self.tok_off, cap * sizeof(int32_t))
         cdef int t
         for t in range(len(self.tier_name) if self.tier_name is not None else 0):
             self.masks[t] = <uint64_t*>_realloc(self.masks[t], cap * self.W * sizeof(uint64_t))
@@ -290,7 +292,7 @@ cdef class Core:
         for p in range(self.pod_cap, cap):
             self.pmaps[p].b = NULL
             self.pmaps[p].n = 0
-            self.pmaps[p].mask = 0
+            self.pmaps[p].cap = 0
         self.psalt = <uint64_t*>_realloc(self.psalt, cap * sizeof(uint64_t))
         self.pflags = <uint8_t*>_realloc(self.pflags, cap * sizeof(uint8_t))
         memset(self.pflags + self.pod_cap, 0, (cap - self.pod_cap) * sizeof(uint8_t))
@@ -319,15 +321,17 @@ cdef class Core:
         self.parent[s] = parent
         self.depth[s] = depth
         self.nsid[s] = ns
-        self.tok_off[s] = -1
         table_put(&self.content, key, s)
         return s
 
     cdef int _free_slot(self, int32_t s) except -1:
         table_del(&self.content, self.key[s])
-        if self.tok_off[s] >= 0:
-            self.arena_garbage += 1 + self.arena[self.tok_off[s]]
-            self.tok_off[s] = -1
+        cdef int32_t off
+        if self.tokt.n:
+            off = table_get(&self.tokt, <uint64_t>s)
+            if off >= 0:
+                self.arena_garbage += 1 + self.arena[off]
+                table_del(&self.tokt, <uint64_t>s)
         if self.n_free >= self.free_cap:
             self.free_cap = max(1024, self.free_cap * 2)
             self.free_slots = <int32_t*>_realloc(self.free_slots, self.free_cap * sizeof(int32_t))
@@ -342,7 +346,9 @@ cdef class Core:
             if self.arena_len + n + 1 > self.arena_cap:
                 self.arena_cap = max(self.arena_len + n + 1, self.arena_cap * 2, 4096)
                 self.arena = <int64_t*>_realloc(self.arena, self.arena_cap * sizeof(int64_t))
-        self.tok_off[s] = <int32_t>self.arena_len
+        if self.arena_len >= 2147483647:
+            return 0  # (display tokens only: beyond 2^31 arena words, keep no more)
+        table_put(&self.tokt, <uint64_t>s, <int32_t>self.arena_len)
         self.arena[self.arena_len] = n
         memcpy(self.arena + self.arena_len + 1, toks, n * sizeof(int64_t))
         self.arena_len += n + 1
@@ -352,12 +358,13 @@ cdef class Core:
         cdef int64_t* fresh = <int64_t*>malloc(max(self.arena_cap, 1) * sizeof(int64_t))
         if fresh == NULL:
             raise MemoryError()
-        cdef int64_t pos = 0, n, s
-        for s in range(self.n_slots):
-            if self.tok_off[s] >= 0:
-                n = self.arena[self.tok_off[s]] + 1
-                memcpy(fresh + pos, self.arena + self.tok_off[s], n * sizeof(int64_t))
-                self.tok_off[s] = <int32_t>pos
+        cdef int64_t pos = 0, n
+        cdef uint64_t i
+        for i in range(self.tokt.cap):
+            if self.tokt.b[i].val >= 0:
+                n = self.arena[self.tokt.b[i].val] + 1
+                memcpy(fresh + pos, self.arena + self.tokt.b[i].val, n * sizeof(int64_t))
+                self.tokt.b[i].val = <int32_t>pos
                 pos += n
         free(self.arena)
         self.arena = fresh
@@ -505,7 +512,7 @@ cdef class Core:
         cdef int overflow
         self._scratch(0, n)
         if type(toks) is not list:
-            return R_BAD_EVENT
+            return _raw_to_i64(toks, n, self.stok)
         i = _list_to_i64(<list>toks, 0, n, self.stok)
         if i < 0:
             return 0
@@ -586,7 +593,7 @@ cdef class Core:
         for ev in events:
             self.c_events += 1
             tp = type(ev)
-            if tp is BlockStored:
+            if tp is RawTokensBlockStored or tp is BlockStored:
                 if not _full_attention(ev.kv_cache_spec_kind, ev.group_idx):
                     self.c_ignored += 1
                     continue
@@ -645,7 +652,12 @@ cdef class Core:
         bs_obj = ev.block_size
         toks = ev.token_ids
         cdef int64_t bs = bs_obj if isinstance(bs_obj, int) and 0 < bs_obj < (1 << 31) else 0
-        if bs > 0 and type(toks) is list and len(<list>toks) >= n * bs:
+        cdef Py_ssize_t n_tok = -1
+        if type(toks) is list:
+            n_tok = len(<list>toks)
+        elif bs > 0:
+            n_tok = _raw_count(toks)  # raw msgpack (the ingest decoder's token_ids)
+        if bs > 0 and n_tok >= n * bs:
             applied = self._stored_chain(pid, ev, model, lora, tier, n, bs)
         else:
             applied = self._stored_tokenless(pid, model, lora, tier, n)
@@ -815,14 +827,14 @@ cdef class Core:
             for s in range(<int32_t>self.n_slots):
                 self._clear_slot(s, pid, w, bit, nt)
         elif pm.b != NULL:
-            for i in range(pm.mask + 1):
+            for i in range(<int64_t>pm.cap):
                 if pm.b[i].val >= 0:
                     self._clear_slot(pm.b[i].val, pid, w, bit, nt)
         # Side references of this pod (only the re-announced entries live there).
         cdef uint64_t sk
         if self.side.n:
             i = 0
-            while i <= <int64_t>self.side.mask:
+            while i < <int64_t>self.side.cap:
                 if self.side.b[i].val >= 0 and ((self.side.b[i].key >> 8) & 0xFFFF) == <uint64_t>pid:
                     sk = self.side.b[i].key
                     table_del(&self.side, sk)
@@ -1010,7 +1022,7 @@ cdef class Core:
                     self._convert_upto((computed + 1) * bs)
                 k = chain_key(k, row_hash(tp + computed * bs, bs))
                 keys[computed % LOOKAHEAD] = k
-                kv_prefetch(&self.content.b[mix64(k) & self.content.mask])
+                kv_prefetch(&self.content.b[table_home(&self.content, k)])
                 computed += 1
             s = table_get(&self.content, keys[i % LOOKAHEAD])
             if s < 0:
@@ -1085,8 +1097,9 @@ cdef class Core:
     def slot_info(self, int32_t s):
         """(key, parent key, depth, ns id, kept tokens or None) of slot ``s``."""
         toks = None
-        if self.tok_off[s] >= 0:
-            toks = [self.arena[self.tok_off[s] + 1 + j] for j in range(self.arena[self.tok_off[s]])]
+        cdef int32_t off = table_get(&self.tokt, <uint64_t>s)
+        if off >= 0:
+            toks = [self.arena[off + 1 + j] for j in range(self.arena[off])]
         return (self.key[s], self.parent[s], self.depth[s], self.nsid[s], toks)
 
     def slot_alive(self, int32_t s, uint64_t key):
@@ -1102,7 +1115,7 @@ cdef class Core:
         if pid >= self.pod_cap or self.pmaps[pid].b == NULL:
             return -1, out
         cdef Table* pm = &self.pmaps[pid]
-        cdef int64_t i = start, end = min(start + limit, <int64_t>pm.mask + 1)
+        cdef int64_t i = start, end = min(start + limit, <int64_t>pm.cap)
         cdef int t, tm
         cdef int32_t s
         cdef uint64_t bit = (<uint64_t>1) << (pid & 63)
@@ -1116,7 +1129,7 @@ cdef class Core:
                 if tm:
                     out.append((pm.b[i].key, s, tm))
             i += 1
-        return (i if i <= <int64_t>pm.mask else -1), out
+        return (i if i < <int64_t>pm.cap else -1), out
 
     def pod_signed(self, int pid):
         return bool(self.pflags[pid] & F_SIGNED)
@@ -1190,9 +1203,9 @@ cdef class Core:
 
     def nbytes(self):
         """Bytes of every C allocation the core holds."""
-        cdef int64_t tot = self.cap * (8 + 8 + 4 + 2 + 4)
+        cdef int64_t tot = self.cap * (8 + 8 + 4 + 2)
         tot += len(self.tier_name) * self.cap * self.W * 8
-        tot += table_nbytes(&self.content) + table_nbytes(&self.side)
+        tot += table_nbytes(&self.content) + table_nbytes(&self.side) + table_nbytes(&self.tokt)
         tot += self.free_cap * 4 + self.arena_cap * 8 + self.sh_cap * 8 + self.stok_cap * 8
         tot += self.pod_cap * (sizeof(Table) + 8 + 1 + MAX_TIERS * 8 + (1 + MAX_TIERS) * 4)
         cdef int p
@@ -1209,17 +1222,17 @@ cdef class Core:
         pmaps = []
         for p in range(self.pod_cap):
             if self.pmaps[p].b != NULL and self.pmaps[p].n:
-                pmaps.append((p, (<char*>self.pmaps[p].b)[:(self.pmaps[p].mask + 1) * sizeof(Bucket)]))
+                pmaps.append((p, (<char*>self.pmaps[p].b)[:self.pmaps[p].cap * sizeof(Bucket)]))
         free_list = (<char*>self.free_slots)[:self.n_free * 4] if self.n_free else b""
         return {
             "n_slots": n, "W": self.W,
             "key": (<char*>self.key)[:n * 8], "parent": (<char*>self.parent)[:n * 8],
             "depth": (<char*>self.depth)[:n * 4], "nsid": (<char*>self.nsid)[:n * 2],
-            "tok_off": (<char*>self.tok_off)[:n * 4],
+            "tokt": (<char*>self.tokt.b)[:self.tokt.cap * sizeof(Bucket)],
             "masks": [(<char*>self.masks[t])[:n * self.W * 8] for t in range(len(self.tier_name))],
             "free": free_list,
             "arena": (<char*>self.arena)[:self.arena_len * 8] if self.arena_len else b"",
-            "side": (<char*>self.side.b)[:(self.side.mask + 1) * sizeof(Bucket)],
+            "side": (<char*>self.side.b)[:self.side.cap * sizeof(Bucket)],
             "pmaps": pmaps,
             "psalt": [self.psalt[p] for p in range(self.pod_cap)],
             "pflags": bytes([self.pflags[p] for p in range(self.pod_cap)]),
@@ -1239,7 +1252,7 @@ cdef class Core:
         tiers = st["tier_name"]
         if (n < 0 or W < 1 or len(st["key"]) != n * 8 or len(st["parent"]) != n * 8
                 or len(st["depth"]) != n * 4 or len(st["nsid"]) != n * 2
-                or len(st["tok_off"]) != n * 4 or len(st["masks"]) != len(tiers)
+                or len(st["masks"]) != len(tiers)
                 or len(tiers) > self.max_tiers or len(st["free"]) % 4
                 or any(len(m) != n * W * 8 for m in st["masks"])
                 or len(st["arena"]) % 8 or len(st["ns_info"]) > self.max_namespaces
@@ -1264,7 +1277,6 @@ cdef class Core:
         memcpy(self.parent, <char*>st["parent"], n * 8)
         memcpy(self.depth, <char*>st["depth"], n * 4)
         memcpy(self.nsid, <char*>st["nsid"], n * 2)
-        memcpy(self.tok_off, <char*>st["tok_off"], n * 4)
         for t in range(len(tiers)):
             memcpy(self.masks[t], <char*>st["masks"][t], n * W * 8)
         self.n_slots = n
@@ -1280,6 +1292,7 @@ cdef class Core:
             memcpy(self.arena, <char*>st["arena"], self.arena_len * 8)
         self.arena_garbage = 0
         _load_table(&self.side, st["side"])
+        _load_table(&self.tokt, st["tokt"])
         for p, raw in st["pmaps"]:
             if not 0 <= p < npods or p >= 64 * self.W:
                 raise ValueError("index state: pod table of an unknown pod")
@@ -1314,10 +1327,7 @@ cdef class Core:
             for s in range(n):
                 if isfree[s]:
                     continue
-                if self.nsid[s] >= len(self.ns_info) or (self.tok_off[s] >= 0 and (
-                        self.tok_off[s] >= self.arena_len
-                        or self.arena[self.tok_off[s]] < 0
-                        or self.tok_off[s] + 1 + self.arena[self.tok_off[s]] > self.arena_len)):
+                if self.nsid[s] >= len(self.ns_info):
                     raise ValueError("index state: slot fields out of range")
                 if not table_put(&self.content, self.key[s], <int32_t>s):
                     raise ValueError("index state: duplicate content key")
@@ -1328,9 +1338,16 @@ cdef class Core:
     cdef int _check_tables(self, int64_t n) except -1:
         cdef int p
         cdef uint64_t i
+        cdef int64_t off
+        for i in range(self.tokt.cap):
+            if self.tokt.b[i].val >= 0:
+                off = self.tokt.b[i].val
+                if (self.tokt.b[i].key >= <uint64_t>n or off >= self.arena_len
+                        or self.arena[off] < 0 or off + 1 + self.arena[off] > self.arena_len):
+                    raise ValueError("index state: kept tokens out of range")
         for p in range(self.pod_cap):
             if self.pmaps[p].b != NULL:
-                for i in range(self.pmaps[p].mask + 1):
+                for i in range(self.pmaps[p].cap):
                     if self.pmaps[p].b[i].val >= n:
                         raise ValueError("index state: pod table points past the slots")
         return 0
@@ -1338,20 +1355,20 @@ cdef class Core:
 
 cdef int _load_table(Table* t, bytes raw) except -1:
     cdef Py_ssize_t nb = len(raw) // sizeof(Bucket)
-    if len(raw) % sizeof(Bucket) or nb < 8 or nb & (nb - 1):
+    if len(raw) % sizeof(Bucket) or nb < 8:
         raise ValueError("index state: malformed table")
     table_free(t)
     t.b = <Bucket*>malloc(len(raw))
     if t.b == NULL:
         raise MemoryError()
     memcpy(t.b, <char*>raw, len(raw))
-    t.mask = nb - 1
+    t.cap = nb
     t.n = 0
     cdef Py_ssize_t i
     for i in range(nb):
         if t.b[i].val >= 0:
             t.n += 1
-    if t.n * 4 > nb * 3:
+    if t.n * 5 > nb * 4:
         raise ValueError("index state: overfull table")
     return 0
 
@@ -1361,6 +1378,90 @@ cdef void* _realloc(void* p, size_t n) except NULL:
     if q == NULL:
         raise MemoryError()
     return q
+
+
+cdef Py_ssize_t _raw_count(object raw) except -2:
+    """Element count of a raw msgpack array; -1 when it is not an array."""
+    cdef Py_buffer view
+    cdef const uint8_t* p
+    cdef Py_ssize_t n = -1
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        p = <const uint8_t*>view.buf
+        if view.len >= 1 and 0x90 <= p[0] <= 0x9F:
+            n = p[0] & 0x0F
+        elif view.len >= 3 and p[0] == 0xDC:
+            n = (<Py_ssize_t>p[1] << 8) | p[2]
+        elif view.len >= 5 and p[0] == 0xDD:
+            n = (<Py_ssize_t>p[1] << 24) | (<Py_ssize_t>p[2] << 16) | (<Py_ssize_t>p[3] << 8) | p[4]
+    finally:
+        PyBuffer_Release(&view)
+    return n
+
+
+cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int j
+    for j in range(k):
+        v = (v << 8) | p[j]
+    return v
+
+
+cdef int _raw_to_i64(object raw, Py_ssize_t n, int64_t* out) except -1:
+    """The first ``n`` elements of a raw msgpack int array into ``out``: 0, or the
+    refusal reason (an element that is an array: bigram pages; anything else that is
+    not an int in the int64 range: bad tokens)."""
+    cdef Py_buffer view
+    cdef const uint8_t* p
+    cdef Py_ssize_t size, pos, i
+    cdef uint8_t b
+    cdef uint64_t u
+    cdef int k, reason = 0
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        p = <const uint8_t*>view.buf
+        size = view.len
+        if size < 1:
+            return R_BAD_TOKENS
+        b = p[0]
+        pos = 1 if b <= 0x9F else (3 if b == 0xDC else 5)
+        for i in range(n):
+            if pos >= size:
+                return R_BAD_TOKENS
+            b = p[pos]
+            if b <= 0x7F:
+                out[i] = b
+                pos += 1
+                continue
+            if b >= 0xE0:
+                out[i] = <int8_t>b
+                pos += 1
+                continue
+            if 0xCC <= b <= 0xCF:
+                k = 1 << (b - 0xCC)
+                if pos + 1 + k > size:
+                    return R_BAD_TOKENS
+                u = _be(p + pos + 1, k)
+                if u > <uint64_t>0x7FFFFFFFFFFFFFFF:
+                    return R_BAD_TOKENS
+                out[i] = <int64_t>u
+                pos += 1 + k
+            elif 0xD0 <= b <= 0xD3:
+                k = 1 << (b - 0xD0)
+                if pos + 1 + k > size:
+                    return R_BAD_TOKENS
+                u = _be(p + pos + 1, k)
+                if k < 8 and (u >> (8 * k - 1)) & 1:
+                    u |= ~((<uint64_t>1 << (8 * k)) - 1)  # sign-extend
+                out[i] = <int64_t>u
+                pos += 1 + k
+            elif 0x90 <= b <= 0x9F or b == 0xDC or b == 0xDD:
+                return R_UNSUPPORTED  # bigram-keyed pages (EAGLE): pairs, not tokens
+            else:
+                return R_BAD_TOKENS
+        return 0
+    finally:
+        PyBuffer_Release(&view)
 
 
 cdef Py_ssize_t _list_to_i64(list lst, Py_ssize_t start, Py_ssize_t end, int64_t* out) except -2:

@@ -15,7 +15,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevents.index import PrefixIndex
-from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.schema import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BatchEncoder,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+ENCODER = BatchEncoder()
+RAW_DECODER = BatchDecoder(raw_tokens=True)
 
 MODELS = {"m1": 4, "m2": 8}  # model -> block size
 LORAS = [None, "lora-a"]
@@ -167,6 +177,7 @@ def blocks_of(seq: Seq):
 )
 def test_matches_model(shared, tails, ops, bytes_pods, shared_seed, batch_split):
     run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split)
+    run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split, raw_tokens=True)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -195,7 +206,7 @@ def test_matches_model_large_random(seed):
         else:
             ops.append(("drop", pod))
     matched = run_workload(shared, tails, ops, set(rng.sample(range(3), rng.randrange(3))),
-                           rng.random() < 0.5, rng.randrange(1, 6))
+                           rng.random() < 0.5, rng.randrange(1, 6), raw_tokens=seed % 2 == 1)
     MATCHED.append(matched)
 
 
@@ -208,7 +219,8 @@ def test_large_random_workloads_matched_something():
         assert sum(1 for m in MATCHED if m) >= 20
 
 
-def run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split) -> int:
+def run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split,
+                 raw_tokens: bool = False) -> int:
     """Apply ``ops`` to both the index and the model, then compare; returns how many
     (prompt, pod) lookup matches there were."""
     seqs = [
@@ -232,7 +244,11 @@ def run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split) -> in
 
     def flush(pod):
         if pending[pod]:
-            idx.apply_batch(pod, KVEventBatch(0.0, pending[pod]), model=pod_model.get(pod))
+            batch = KVEventBatch(0.0, pending[pod])
+            if raw_tokens:
+                # The aggregator's path: bytes -> ingest decoder (raw token arrays).
+                batch = RAW_DECODER.decode(ENCODER.encode(batch)).batch
+            idx.apply_batch(pod, batch, model=pod_model.get(pod))
             pending[pod] = []
 
     # Each pod serves one model (the one of the first sequence it touches).

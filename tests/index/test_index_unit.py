@@ -219,3 +219,26 @@ def test_lookup_nonblocking_raises_when_busy():
         with pytest.raises(IndexBusy):
             idx.lookup([1, 2, 3, 4], blocking=False)
     assert idx.lookup([1, 2, 3, 4], blocking=False).pods == []
+
+
+def test_raw_token_arrays_every_msgpack_int_width():
+    """The ingest decoder leaves token ids as raw msgpack; the core reads every int
+    width (fixint, uint8..64, int8..64, negative fixint) exactly as the list path
+    does, refuses what is not an int64 and counts bigram pairs as unsupported."""
+    from kvevents.schema import BatchDecoder, BatchEncoder
+
+    enc, raw = BatchEncoder(), BatchDecoder(raw_tokens=True)
+    toks = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**62,
+            -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63)]
+    toks += [7] * (-len(toks) % 4)
+    ev = _stored(list(range(1, len(toks) // 4 + 1)), None, toks)
+    a, b = PrefixIndex(), PrefixIndex()
+    a.apply_batch("p", KVEventBatch(0.0, [ev]))
+    b.apply_batch("p", raw.decode(enc.encode(KVEventBatch(0.0, [ev]))).batch)
+    assert a.lookup(toks) == b.lookup(toks) and b.lookup(toks).pods[0].tokens == len(toks)
+    bad = KVEventBatch(0.0, [_stored([50], None, [1, 2, 3, 2**63]),
+                             _stored([51], None, [[1, 2], [3, 4], [5, 6], [7, 8]]),
+                             _stored([52], None, [1, 2, 3, 4])])
+    st_ = b.apply_batch("q", raw.decode(enc.encode(bad)).batch)
+    assert st_.refused_events == 2 and st_.stored_blocks == 1
+    assert b.counters().refused_events["q"] == {"bad_tokens": 1, "unsupported_tokens": 1}
