@@ -23,6 +23,36 @@ POD_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _POD_NAME = re.compile(POD_NAME_PATTERN)
 
 
+class EndpointError(ValueError):
+    """A pod endpoint the subscriber could not use; ``field`` names which one."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_pod_endpoint(endpoint: str, field: str, *, connect: bool) -> None:
+    """Raise :class:`EndpointError` unless ``endpoint`` works for the subscriber.
+
+    Every tcp endpoint needs a port in 1..65535; one the subscriber connects to (the
+    live endpoint unless ``bind``, and always the replay endpoint) also needs a real
+    host, not a wildcard: ZeroMQ refuses ``connect("tcp://*:5557")``.
+    """
+    try:
+        validate_endpoint(endpoint)
+    except ValueError as exc:
+        raise EndpointError(f"{field}: {exc}", field) from None
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EndpointError(f"{field}: port must be 1..65535 in {endpoint!r}", field)
+    if connect and host.strip("[]") in ("*", "0.0.0.0", "::", ""):
+        raise EndpointError(
+            f"{field}: {endpoint!r} is a wildcard address the subscriber cannot connect to; "
+            "give the publisher's host (or bind=1 for publishers that connect to us)", field)
+
+
 def validate_pod_name(name: str) -> str:
     if not _POD_NAME.match(name):
         raise ValueError(
@@ -44,9 +74,9 @@ class PodSpec:
 
     def __post_init__(self) -> None:
         validate_pod_name(self.name)
-        validate_endpoint(self.endpoint)
+        check_pod_endpoint(self.endpoint, "endpoint", connect=not self.bind)
         if self.replay_endpoint is not None:
-            validate_endpoint(self.replay_endpoint)
+            check_pod_endpoint(self.replay_endpoint, "replay_endpoint", connect=True)
 
     @classmethod
     def parse(cls, text: str) -> PodSpec:

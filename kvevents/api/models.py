@@ -28,8 +28,8 @@ class LookupRequest(_Strict):
 
 
 class LoadIn(_Strict):
-    waiting: float = Field(0.0, ge=0, description="Requests queued.")
-    running: float = Field(0.0, ge=0, description="Requests running.")
+    waiting: float = Field(0.0, ge=0, le=1e9, description="Requests queued.")
+    running: float = Field(0.0, ge=0, le=1e9, description="Requests running.")
     kv_usage: float = Field(0.0, ge=0, le=1, description="Fraction of GPU KV blocks in use.")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from fastapi import APIRouter, Depends, Query, Response
 
@@ -55,13 +57,23 @@ async def lookup(body: LookupBody = Depends(decode_lookup),
     return json_response(lookup_payload(result))
 
 
+# ASCII digits only: str.isdigit() also accepts "²", which int() then rejects.
+_DECIMAL = re.compile(r"-?[0-9]+")
+_MAX_HASH_CHARS = 130  # a 64-byte digest in hex, with "0x"
+
+
 def parse_block_hash(text: str) -> BlockHash:
-    """Decimal digits -> uint64 int; otherwise hex -> raw digest bytes."""
-    if text.isdigit():
+    """Decimal digits -> 64-bit int (SGLang's signed ones too); otherwise hex -> raw
+    digest bytes. Anything else, or longer than any engine hash, is a 422."""
+    if len(text) > _MAX_HASH_CHARS:
+        raise ApiError(422, f"hash is longer than {_MAX_HASH_CHARS} characters", "hash")
+    if _DECIMAL.fullmatch(text):
         value = int(text)
-        if value >= 2**64:
+        if not -(2**63) <= value < 2**64:
             raise ApiError(422, "a decimal block hash must fit in 64 bits", "hash")
         return value
+    if not text.isascii():
+        raise ApiError(422, "hash must be a decimal uint64 or hex digest bytes", "hash")
     try:
         raw = bytes.fromhex(text.removeprefix("0x"))
     except ValueError:
