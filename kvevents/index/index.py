@@ -611,6 +611,31 @@ class PrefixIndex:
         """Bytes held in the index's numpy arrays (excludes Python object overhead)."""
         with self.lock:
             return self._store.nbytes() + sum(m.nbytes for m in self._maps.values())
+    # PROVISIONAL (snapshot branch): the lead's index core provides these two; this
+    # pickle of the instance's state stands in so the snapshot code can be tested.
+    def export_state(self) -> bytes:
+        """The whole index state as bytes, for :meth:`import_state`."""
+        import pickle
+
+        with self.lock:
+            state = {k: v for k, v in self.__dict__.items() if k != "lock"}
+            return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def import_state(self, data: bytes) -> None:
+        """Replace the whole state with ``data`` from :meth:`export_state`; raises
+        ``ValueError`` on bad data (and then changes nothing)."""
+        import pickle
+
+        try:
+            state = pickle.loads(data)
+        except Exception as exc:
+            raise ValueError(f"not an index state: {exc}") from None
+        expected = {k for k in self.__dict__ if k != "lock"}
+        if not isinstance(state, dict) or set(state) != expected:
+            raise ValueError("not an index state: wrong fields")
+        with self.lock:
+            self.__dict__.update(state)
+
 
 
 def _as_int64(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
