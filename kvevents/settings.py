@@ -116,6 +116,13 @@ class AggregatorSettings:
     max_prompt_tokens: int = 1_000_000
     event_feed_size: int = 2048
     log_level: str = "info"
+    # A pod disconnected this long is not offered for routing (still listed, "down").
+    down_after_s: float = 30.0
+    # Durable restarts: snapshots of the index in this directory (None: no snapshots).
+    data_dir: str | None = None
+    snapshot_interval_s: float = 60.0
+    # A fresh replica loads this peer aggregator's snapshot (http://HOST:PORT) first.
+    bootstrap_from: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -124,6 +131,11 @@ class AggregatorSettings:
             raise ValueError("stale_after_s and replay_timeout_s must be > 0")
         if self.max_body_bytes < 1024 or self.max_prompt_tokens < 1:
             raise ValueError("max_body_bytes must be >= 1024 and max_prompt_tokens >= 1")
+        if self.down_after_s < 0 or self.snapshot_interval_s <= 0:
+            raise ValueError("down_after_s must be >= 0 and snapshot_interval_s > 0")
+        if self.bootstrap_from is not None and not self.bootstrap_from.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"bootstrap_from must be http://HOST:PORT, got {self.bootstrap_from!r}")
         names = [p.name for p in self.pods]
         if len(names) != len(set(names)):
             raise ValueError(f"pod names must be unique: {names}")
@@ -137,6 +149,10 @@ _ENV = {
     "KVEVENTS_REPLAY_TIMEOUT": ("replay_timeout_s", float),
     "KVEVENTS_MAX_BODY_BYTES": ("max_body_bytes", int),
     "KVEVENTS_MAX_PROMPT_TOKENS": ("max_prompt_tokens", int),
+    "KVEVENTS_DOWN_AFTER": ("down_after_s", float),
+    "KVEVENTS_DATA_DIR": ("data_dir", str),
+    "KVEVENTS_SNAPSHOT_INTERVAL": ("snapshot_interval_s", float),
+    "KVEVENTS_BOOTSTRAP_FROM": ("bootstrap_from", str),
 }
 
 

@@ -99,6 +99,9 @@ class PodOut(BaseModel):
     restarts: int
     resyncs: int
     malformed: int
+    routable: bool = Field(True, description="False once down for --down-after seconds: "
+                                             "its blocks are not offered for routing.")
+    restore: str | None = Field(None, description="'resumed' when restored from a snapshot.")
 
 
 class PodBlocksResponse(BaseModel):
