@@ -26,7 +26,8 @@ def healthz(agg: Aggregator = Depends(get_aggregator)) -> dict:
     pods = agg.pod_statuses()
     return {"status": "ok", "pods": len(pods),
             "live": sum(1 for p in pods if p["status"] == "live"),
-            "uptime_seconds": round(time.time() - agg.started_at, 3)}
+            "uptime_seconds": round(time.time() - agg.started_at, 3),
+            "snapshots": agg.snapshot_stats}
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
