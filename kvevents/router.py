@@ -147,7 +147,9 @@ class KVAwarePolicy:
         best_score = max(s.score for s in pool)
         tied = [s for s in pool if best_score - s.score <= _TIE_EPS]
         best = min(tied, key=lambda s: _tie_key(token_ids, s.pod)) if len(tied) > 1 else tied[0]
-        reason = self._reason(best, scores, pool, tied, n)
+        reason = self._reason(best, up, pool, tied, n)
+        if best.pod not in down and any(s.pod in down for s in scores):
+            reason += f"; skipped down: {', '.join(sorted(s.pod for s in scores if s.pod in down))}"
         scores.sort(key=lambda s: -s.score)
         return RouteDecision(best.pod, best.matched_tokens, best.tiers, scores, reason)
 
