@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from support import ServerThread, free_port
+from support import ServerThread, free_port, wait_until
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockStored, KVEventBatch
@@ -38,6 +38,9 @@ def server():
     with ServerThread(app) as srv:
         time.sleep(0.3)
         pub.publish(KVEventBatch(time.time(), [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)]))
+        # A publisher clock gone wrong: its lag is infinite, which JSON cannot say.
+        pub.publish(KVEventBatch(float("-inf"), []))
+        assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["batches"] == 2, 5)
         yield srv
     pub.shutdown(0.5)
 
