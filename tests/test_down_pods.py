@@ -52,6 +52,7 @@ def test_down_pod_is_visible_but_never_routed_to():
             # Still visible: lookups and the pod list show its blocks.
             lookup = httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": PROMPT}).json()
             assert lookup["pods"][0]["pod"] == "a" and lookup["pods"][0]["matched_tokens"] == 64
+            assert lookup["pods"][0]["down"] is True and "down" not in lookup["pods"][1]
             assert pods()["a"]["blocks"] and pods()["a"]["status"] == "down"
             # Past down_after its blocks are not offered: no cache score for a.
             only_a = route(candidates=[{"pod": "a"}])  # no live one on offer: a, cold

@@ -65,6 +65,8 @@ class PodMatchOut(BaseModel):
     pod: str
     matched_tokens: int = Field(description="Leading prompt tokens cached in any tier.")
     tiers: dict[str, int] = Field(description="Per tier, that tier's own leading run in tokens.")
+    down: bool | None = Field(None, description="Present (true) when the pod has been down for "
+                                                "--down-after seconds: not offered for routing.")
 
 
 class LookupResponse(BaseModel):

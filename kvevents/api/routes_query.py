@@ -31,12 +31,14 @@ def check_prompt(token_ids: list[int], agg: Aggregator) -> None:
                        "token_ids")
 
 
-def lookup_payload(result: LookupResult) -> dict:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "block_size": result.block_size,
-        "pods": [{"pod": p.pod, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.pods],
-    }
+def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = frozenset()) -> dict:
+    """``down``: pods gone for ``down_after_s``; still listed, marked ``"down": true``."""
+    pods = [{"pod": p.pod, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.pods]
+    if down:
+        for entry in pods:
+            if entry["pod"] in down:
+                entry["down"] = True
+    return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "pods": pods}
 
 
 def body_doc(model: type) -> dict:
@@ -54,7 +56,7 @@ async def lookup(body: LookupBody = Depends(decode_lookup),
                  agg: Aggregator = Depends(get_aggregator)) -> Response:
     check_prompt(body.token_ids, agg)
     result = agg.lookup(body.token_ids, model=body.model, lora_name=body.lora_name)
-    return json_response(lookup_payload(result))
+    return json_response(lookup_payload(result, agg.unroutable_pods()))
 
 
 # ASCII digits only: str.isdigit() also accepts "²", which int() then rejects.
