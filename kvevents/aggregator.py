@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry
@@ -92,7 +91,7 @@ class Aggregator:
                                "dropped_pods": 0, "last_write_s": None}
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
-        resume = self._restore()
+        resume = snapshot.restore(self.index, settings, self.snapshot_stats)
         for spec in settings.pods:
             self.add_pod(spec, resume=resume.pop(spec.name, None))
         for pair in resume.values():  # pods added at run time before the restart
@@ -139,65 +138,6 @@ class Aggregator:
         self.snapshot_stats["written"] += 1
         self.snapshot_stats["last_write_s"] = time.perf_counter() - t0
         return True
-
-    def _restore(self) -> dict[str, tuple[PodSpec, snapshot.PodAnchor]]:
-        """Load the newest snapshot (local, else the peer's) into the index; return
-        the pods to resume, each checked for continuity. Pods that cannot be vouched
-        for have their restored state dropped here."""
-        s = self.settings
-        snap = snapshot.read_latest(s.data_dir) if s.data_dir else None
-        if snap is None and s.bootstrap_from:
-            try:
-                snap = snapshot.fetch_peer(s.bootstrap_from, s.auth_token)
-                log.info("bootstrapped from %s: %d pods", s.bootstrap_from, len(snap.pods))
-            except (OSError, ValueError) as exc:
-                log.error("bootstrap from %s failed, starting empty: %s", s.bootstrap_from, exc)
-        if snap is None:
-            return {}
-        try:
-            self.index.import_state(snap.state)
-        except ValueError as exc:
-            log.error("snapshot index state rejected, starting empty: %s", exc)
-            return {}
-        configured = {p.name: p for p in s.pods}
-        candidates: dict[str, tuple[PodSpec, snapshot.PodAnchor]] = {}
-        for name, anchor in snap.pods.items():
-            try:
-                spec = configured.get(name) or PodSpec(**anchor.spec)
-            except (TypeError, ValueError):
-                spec = None
-            same_stream = spec is not None and all(
-                anchor.spec.get(k) == getattr(spec, k) for k in ("endpoint", "replay_endpoint", "topic"))
-            if same_stream and anchor.last_seq is not None and spec.replay_endpoint:
-                candidates[name] = (spec, anchor)
-            else:
-                self._drop_restored(name, "no continuity anchor" if same_stream else "stream changed")
-        for name in self.index.pods():
-            if name not in candidates:
-                self.index.drop_pod(name)
-        outcomes = {}
-        if candidates:
-            with ThreadPoolExecutor(min(32, len(candidates))) as pool:
-                futures = {name: pool.submit(snapshot.check_continuity, spec.replay_endpoint,
-                                             a.last_seq, a.last_ts, s.replay_timeout_s)
-                           for name, (spec, a) in candidates.items()}
-                outcomes = {name: f.result() for name, f in futures.items()}
-        resume = {}
-        for name, outcome in outcomes.items():
-            if outcome in (snapshot.CONTINUOUS, snapshot.UNREACHABLE):
-                # Unreachable: keep it; a new process shows itself on the live stream
-                # (seq back with a newer ts) and is dropped then.
-                resume[name] = candidates[name]
-                self.snapshot_stats["restored_pods"] += 1
-                log.info("pod %s restored at seq %d (%s)", name, candidates[name][1].last_seq, outcome)
-            else:
-                self._drop_restored(name, outcome)
-        return resume
-
-    def _drop_restored(self, name: str, why: str) -> None:
-        self.index.drop_pod(name)
-        self.snapshot_stats["dropped_pods"] += 1
-        log.warning("pod %s: restored state dropped (%s)", name, why)
 
     # -- housekeeping ------------------------------------------------------------------
 
