@@ -20,9 +20,8 @@ from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockStored, KVEventBatch
 from kvevents.settings import AggregatorSettings, PodSpec
 
-schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 TOKEN = "fuzz-token"
 
@@ -47,6 +46,7 @@ def server():
 
 
 def test_no_route_answers_5xx(server):
+    schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     tried: list[str] = []
     statuses: list[int] = []
