@@ -8,6 +8,8 @@ STAMP  := $(VENV)/.installed-stamp
 # torch pinned to the local CPU build so pip never pulls a newer CUDA release.
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
+SGLANG_IMPORTS := orjson psutil pybase64 requests packaging pillow starlette tqdm IPython \
+	aiohttp pydantic triton
 
 .PHONY: test demo install system-deps bench clean
 
@@ -17,6 +19,10 @@ $(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_table
 	$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[dev,connector]'
+	# SGLang's own publisher for tests/test_sglang.py: the wheel without its (GPU)
+	# dependency tree, plus what its kv_events module imports (about 100 s).
+	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
+	$(BIN)/python -m pip install -q $(SGLANG_IMPORTS)
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -13,6 +13,14 @@ Ownership and threads:
   pod's state too (the index only claims blocks it can vouch for), after which the
   pod's new announcements rebuild it.
 
+* Durable restarts (``data_dir``): the index and each pod's last applied (seq, ts) are
+  captured together under ``_apply_lock`` and written by :mod:`kvevents.snapshot`
+  every ``snapshot_interval_s`` and on ``stop()``. The constructor restores the newest
+  whole snapshot (or a peer's, ``bootstrap_from``), checks each pod's continuity and
+  resumes it at the next seq, or drops that pod's restored state (counted).
+* A housekeeping thread records since when each pod is disconnected: a pod down for
+  ``down_after_s`` is not offered for routing (:meth:`unroutable_pods`).
+
 Lifecycle: ``Aggregator(settings)`` -> ``start()`` -> queries / ``add_pod`` /
 ``remove_pod`` from any thread -> ``stop()``.
 """
@@ -22,10 +30,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry
 
+from kvevents import snapshot
 from kvevents.feed import EventFeed
 from kvevents.index import LookupResult, PrefixIndex
 from kvevents.metrics import AggregatorMetrics
@@ -54,6 +63,8 @@ class PodState:
     spec: PodSpec
     added_at: float
     resyncs: int = 0  # times its state was dropped after a loss
+    restore: str | None = None  # continuity outcome when restored from a snapshot
+    down_since: float | None = None  # monotonic time it was last seen disconnected
 
 
 class Aggregator:
@@ -72,29 +83,118 @@ class Aggregator:
         self._pods_lock = threading.Lock()
         self._subscriber = Subscriber(self._on_signal, replay_timeout=settings.replay_timeout_s)
         self.started_at = time.time()
+        # Held while a batch is applied and its anchor recorded, and while a snapshot
+        # is captured, so a snapshot's index state and anchors always agree.
+        self._apply_lock = threading.Lock()
+        self._anchors: dict[str, tuple[int, float]] = {}  # pod -> (seq, ts) last applied
+        self.snapshot_stats = {"written": 0, "errors": 0, "restored_pods": 0,
+                               "dropped_pods": 0, "last_write_s": None}
+        self._stop = threading.Event()
+        self._housekeeper: threading.Thread | None = None
+        resume = snapshot.restore(self.index, settings, self.snapshot_stats)
         for spec in settings.pods:
-            self.add_pod(spec)
+            self.add_pod(spec, resume=resume.pop(spec.name, None))
+        for pair in resume.values():  # pods added at run time before the restart
+            self.add_pod(pair[0], resume=pair)
 
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
         self._subscriber.start()
+        self._housekeeper = threading.Thread(target=self._housekeeping, daemon=True,
+                                             name="kvevents-housekeeping")
+        self._housekeeper.start()
 
     def stop(self) -> None:
+        self._stop.set()
+        if self._housekeeper is not None:
+            self._housekeeper.join(5)
         self._subscriber.stop()
+        if self.settings.data_dir:
+            self.save_snapshot()  # the final one: nothing applied after it
+
+    # -- snapshots ---------------------------------------------------------------------
+
+    def capture_snapshot(self) -> bytes:
+        """The encoded snapshot of now (index + anchors agree)."""
+        with self._pods_lock:
+            specs = {name: asdict(p.spec) for name, p in self._pods.items()}
+        with self._apply_lock:
+            state = self.index.export_state()
+            anchors = dict(self._anchors)
+        pods = {name: snapshot.PodAnchor(spec, *anchors.get(name, (None, None)))
+                for name, spec in specs.items()}
+        return snapshot.encode(snapshot.Snapshot(time.time(), pods, state))
+
+    def save_snapshot(self) -> bool:
+        """Write a snapshot to ``data_dir``; False (logged, counted) if it failed."""
+        t0 = time.perf_counter()
+        try:
+            snapshot.write(self.settings.data_dir, self.capture_snapshot())
+        except Exception:  # a full disk must not end ingest or the housekeeping loop
+            self.snapshot_stats["errors"] += 1
+            log.exception("snapshot to %s failed", self.settings.data_dir)
+            return False
+        self.snapshot_stats["written"] += 1
+        self.snapshot_stats["last_write_s"] = time.perf_counter() - t0
+        return True
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    _TICK_S = 0.25
+
+    def _housekeeping(self) -> None:
+        """Down-pod clocks and periodic snapshots; survives its own errors."""
+        next_snapshot = time.monotonic() + self.settings.snapshot_interval_s
+        while not self._stop.wait(self._TICK_S):
+            try:
+                self._track_down()
+                if self.settings.data_dir and time.monotonic() >= next_snapshot:
+                    self.save_snapshot()
+                    next_snapshot = time.monotonic() + self.settings.snapshot_interval_s
+            except Exception:
+                log.exception("housekeeping failed; continuing")
+
+    def _track_down(self) -> None:
+        stats = self._subscriber.stats()
+        now = time.monotonic()
+        with self._pods_lock:
+            for name, state in self._pods.items():
+                st = stats.get(name)
+                if st is not None and st.connected > 0:
+                    state.down_since = None
+                elif state.down_since is None:
+                    state.down_since = now
+
+    def unroutable_pods(self) -> set[str]:
+        """Pods disconnected for at least ``down_after_s``: their blocks are not
+        offered for routing (they stay in the index and in lookups)."""
+        limit = time.monotonic() - self.settings.down_after_s
+        with self._pods_lock:
+            return {name for name, p in self._pods.items()
+                    if p.down_since is not None and p.down_since <= limit}
 
     # -- pods ------------------------------------------------------------------------
 
-    def add_pod(self, spec: PodSpec) -> None:
-        """Follow a new publisher. Raises :class:`PodExistsError` for a taken name."""
+    def add_pod(self, spec: PodSpec,
+                resume: tuple[PodSpec, snapshot.PodAnchor] | None = None) -> None:
+        """Follow a new publisher. Raises :class:`PodExistsError` for a taken name.
+        ``resume``: its state was restored up to the anchor; continue after it."""
         with self._pods_lock:
             if spec.name in self._pods:
                 raise PodExistsError(f"pod {spec.name!r} already exists")
-            self._pods[spec.name] = PodState(spec, time.time())
+            self._pods[spec.name] = PodState(spec, time.time(), down_since=time.monotonic())
+        anchor = resume[1] if resume else None
+        if anchor is not None:
+            with self._apply_lock:
+                self._anchors[spec.name] = (anchor.last_seq, anchor.last_ts)
+            self._pods[spec.name].restore = "resumed"
         self._subscriber.add_source(
             SourceConfig(
                 spec.name, spec.endpoint, replay_endpoint=spec.replay_endpoint,
                 topic=spec.topic, bind=spec.bind,
+                resume_seq=None if anchor is None else anchor.last_seq + 1,
+                resume_ts=None if anchor is None else anchor.last_ts,
             )
         )
         self.feed.publish("pod_added", {"pod": spec.name, "endpoint": spec.endpoint})
@@ -106,7 +206,9 @@ class Aggregator:
                 raise KeyError(name)
             del self._pods[name]
         self._subscriber.remove_source(name)
-        self.index.drop_pod(name)
+        with self._apply_lock:
+            self.index.drop_pod(name)
+            self._anchors.pop(name, None)
         self.metrics.forget_pod(name)
         self.feed.publish("pod_removed", {"pod": name})
 
@@ -145,8 +247,19 @@ class Aggregator:
                 "restarts": st.restarts,
                 "resyncs": state.resyncs,
                 "malformed": st.malformed_frames + st.decode_errors,
+                "routable": not (state.down_since is not None
+                                 and time.monotonic() - state.down_since >= self.settings.down_after_s),
+                "restore": state.restore,
             })
         return out
+
+    def down_pods(self) -> set[str]:
+        """Pods with no connection to their publisher now (no index access: cheap
+        enough for the event loop)."""
+        stats = self._subscriber.stats()
+        with self._pods_lock:
+            names = list(self._pods)
+        return {n for n in names if (stats.get(n) or SourceStats()).connected <= 0}
 
     def _status(self, st: SourceStats, now: float) -> str:
         """live: a message within ``stale_after_s``; stale: connected (or never heard
@@ -182,7 +295,9 @@ class Aggregator:
         if not known:
             return  # removed while its last messages were in flight
         if isinstance(sig, BatchReceived):
-            applied = self.index.apply_batch(sig.source, sig.batch, model=model)
+            with self._apply_lock:
+                applied = self.index.apply_batch(sig.source, sig.batch, model=model)
+                self._anchors[sig.source] = (sig.seq, sig.batch.ts)
             self.metrics.observe_batch(sig.source, sig.batch.ts)
             self.feed.publish("batch", {
                 "pod": sig.source, "seq": sig.seq, "replayed": sig.replayed,
@@ -190,10 +305,14 @@ class Aggregator:
                 "cleared": applied.cleared,
             })
         elif isinstance(sig, PublisherRestarted):
-            self.index.drop_pod(sig.source)
+            with self._apply_lock:
+                self.index.drop_pod(sig.source)
+                self._anchors.pop(sig.source, None)
             self.feed.publish("restart", {"pod": sig.source, "last_seq": sig.last_seq})
         elif isinstance(sig, BatchesLost):
-            self.index.drop_pod(sig.source)
+            with self._apply_lock:
+                self.index.drop_pod(sig.source)
+                self._anchors.pop(sig.source, None)  # nothing restorable until rebuilt
             with self._pods_lock:
                 state = self._pods.get(sig.source)
                 if state is not None:

@@ -38,6 +38,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="bearer token required on mutating endpoints (or KVEVENTS_AUTH_TOKEN)")
     p.add_argument("--stale-after", type=float, default=None, dest="stale_after_s",
                    help="seconds of silence after which a pod is 'stale' (default 30)")
+    p.add_argument("--down-after", type=float, default=None, dest="down_after_s",
+                   help="seconds disconnected after which a pod is not routed to (default 30)")
+    p.add_argument("--data-dir", default=None, dest="data_dir",
+                   help="keep index snapshots here and restore them on start "
+                        "(or KVEVENTS_DATA_DIR; default: none, start empty)")
+    p.add_argument("--snapshot-interval", type=float, default=None, dest="snapshot_interval_s",
+                   help="seconds between snapshots with --data-dir (default 60)")
+    p.add_argument("--bootstrap-from", default=None, dest="bootstrap_from",
+                   metavar="http://HOST:PORT",
+                   help="load a peer aggregator's snapshot on start, then follow the publishers")
     p.add_argument("--config", default=None, help="JSON or TOML file with the same settings")
 
 
@@ -74,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = load_settings(
                 args.config, pods=pods, host=args.host, port=args.port,
                 auth_token=args.auth_token, stale_after_s=args.stale_after_s,
+                down_after_s=args.down_after_s, data_dir=args.data_dir,
+                snapshot_interval_s=args.snapshot_interval_s, bootstrap_from=args.bootstrap_from,
             )
         except (ValueError, OSError) as exc:
             parser.error(str(exc))

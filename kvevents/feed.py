@@ -8,8 +8,43 @@ Old items fall off the end: a reader that falls behind is told how many it misse
 from __future__ import annotations
 
 import collections
+import json
+import math
+import re
 import threading
 from typing import Any
+
+# A resume id is what we sent: ASCII digits (str.isdigit() also takes "²").
+_EVENT_ID = re.compile(r"[0-9]{1,19}")
+
+
+def parse_last_event_id(header: str | None, default: int) -> int:
+    """The id a reconnecting SSE client sent in ``Last-Event-ID``; ``default`` when
+    the header is absent or is not one of our ids (never an error: it is a hint)."""
+    if header and _EVENT_ID.fullmatch(header):
+        return int(header)
+    return default
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(data: Any) -> str:
+    """Strict JSON for the feed: NaN and infinities (a publisher's bogus timestamp, a
+    ratio over nothing) become null, since ``Infinity`` is not JSON and breaks
+    ``JSON.parse`` in the page."""
+    try:
+        return json.dumps(data, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(data), separators=(",", ":"), allow_nan=False)
 
 
 class EventFeed:

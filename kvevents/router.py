@@ -26,12 +26,22 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvevents.index import LookupResult
 
 _TIE_EPS = 1e-9
+
+
+def without_pods(lookup: LookupResult, pods: set[str]) -> LookupResult:
+    """``lookup`` with the matches of ``pods`` removed: blocks of engines that are
+    gone (down for ``down_after_s``) must not attract requests."""
+    if not pods or not any(m.pod in pods for m in lookup.pods):
+        return lookup
+    return msgspec.structs.replace(lookup, pods=[m for m in lookup.pods if m.pod not in pods])
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,9 @@ class KVAwarePolicy:
         self.config = config or KVRouterConfig()
 
     def choose(self, token_ids: Sequence[int], lookup: LookupResult,
-               candidates: Sequence[Candidate]) -> RouteDecision:
+               candidates: Sequence[Candidate], down: Collection[str] = ()) -> RouteDecision:
+        """``down``: candidates whose engine is disconnected; they are scored but not
+        eligible, and chosen only when every candidate is down."""
         if not candidates:
             raise ValueError("no candidate engines")
         cfg = self.config
@@ -128,13 +140,16 @@ class KVAwarePolicy:
             score = cache - cfg.load_weight * load / (max_load + 1)
             if c.pod == affinity:
                 score += cfg.affinity_weight
-            eligible = load - min_load <= cfg.max_imbalance
+            eligible = load - min_load <= cfg.max_imbalance and c.pod not in down
             scores.append(PodScore(c.pod, score, cache, load, total, tiers, eligible))
-        pool = [s for s in scores if s.eligible] or scores
+        up = [s for s in scores if s.pod not in down] or scores
+        pool = [s for s in up if s.eligible] or up
         best_score = max(s.score for s in pool)
         tied = [s for s in pool if best_score - s.score <= _TIE_EPS]
         best = min(tied, key=lambda s: _tie_key(token_ids, s.pod)) if len(tied) > 1 else tied[0]
-        reason = self._reason(best, scores, pool, tied, n)
+        reason = self._reason(best, up, pool, tied, n)
+        if best.pod not in down and any(s.pod in down for s in scores):
+            reason += f"; skipped down: {', '.join(sorted(s.pod for s in scores if s.pod in down))}"
         scores.sort(key=lambda s: -s.score)
         return RouteDecision(best.pod, best.matched_tokens, best.tiers, scores, reason)
 

@@ -13,6 +13,12 @@ Two event encodings exist in the field:
 
 The batch itself is always an array ``[ts, events, data_parallel_rank?]``.
 
+SGLang (0.5.x) sends the map encoding with every field left at None omitted (so every
+field after ``block_size`` is optional here), signed int64 hashes, and for bigram-keyed
+caches ``token_ids`` as ``[a, b]`` pairs: those events decode (through the per-event
+fallback, keeping the typed fast path for everything else) and
+:func:`tokens_are_pairs` tells them apart.
+
 Consumers only ever see the canonical structs (:class:`BlockStored`,
 :class:`BlockRemoved`, :class:`AllBlocksCleared`): legacy payloads are converted on
 decode. Unknown extra fields are ignored (engines keep appending fields); an unknown
@@ -55,9 +61,11 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
+    # Optional on decode: SGLang omits them when None. Encoding still writes them
+    # (see _WireBlockStored): vLLM's decoders require them.
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -71,7 +79,7 @@ class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
     """Blocks were evicted from ``medium`` (None = GPU)."""
 
     block_hashes: list[BlockHash]
-    medium: str | None
+    medium: str | None = None
     group_idx: int | None = None
     locality: Any = None
     ownership: Any = None
@@ -85,11 +93,72 @@ Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One published message: ``[ts, events, data_parallel_rank?]``."""
+    """One published message: ``[ts, events, data_parallel_rank?]`` (SGLang calls the
+    third element ``attn_dp_rank``)."""
 
     ts: float
     events: list[Event]
     data_parallel_rank: int | None = None
+
+
+# ---------------------------------------------------------------------------
+# Encode side of the map encoding: the shape vLLM writes, where lora_id, medium and
+# lora_name are required and so always present (even when None). Separate classes
+# because msgspec has one omit_defaults rule per class for both directions.
+
+
+class _WireBlockStored(KVCacheEvent, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: str | None = None
+
+
+class _WireBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+_TO_WIRE: dict[type, type] = {BlockStored: _WireBlockStored, BlockRemoved: _WireBlockRemoved}
+
+
+class _PairsBlockStored(KVCacheEvent, tag="BlockStored"):
+    """SGLang's bigram-keyed pages (EAGLE): ``token_ids`` are ``[a, b]`` pairs. Only
+    the per-event fallback tries it, so normal batches keep the typed fast path."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[tuple[int, int]]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: str | None = None
+
+
+def tokens_are_pairs(event: BlockStored) -> bool:
+    """True for a bigram page: its ``token_ids`` are pairs, not token ids, so it
+    cannot be matched against prompts (the index counts it as unsupported)."""
+    return bool(event.token_ids) and not isinstance(event.token_ids[0], int)
 
 
 # ---------------------------------------------------------------------------
@@ -244,6 +313,7 @@ class BatchDecoder:
         self._raw = msgspec.msgpack.Decoder(_RawBatch)
         self._map_event = msgspec.msgpack.Decoder(_RawEvent if raw_tokens else Event)
         self._array_event = msgspec.msgpack.Decoder(_ArrayRawEvent if raw_tokens else _ArrayEventT)
+        self._pairs_event = msgspec.msgpack.Decoder(_PairsBlockStored)
 
     def decode(self, payload: bytes) -> DecodeResult:
         try:
@@ -282,7 +352,14 @@ class BatchDecoder:
         try:
             return _from_array(self._array_event.decode(item))
         except _DECODE_ERRORS:
+            pass
+        try:
+            # Same fields, so the canonical struct holds it; token_ids stay pairs.
+            pairs = self._pairs_event.decode(item)
+        except _DECODE_ERRORS:
             return None
+        return BlockStored(*(list(v) if f == "token_ids" else v for f, v in zip(
+            pairs.__struct_fields__, msgspec.structs.astuple(pairs))))
 
 
 class BatchEncoder:
@@ -302,9 +379,16 @@ class BatchEncoder:
         events: list[Any] = batch.events
         if self.legacy:
             events = [_array_fields(e) for e in events]
+        else:
+            events = [_to_wire(e) for e in events]
         if batch.data_parallel_rank is None:
             return self._enc.encode((batch.ts, events))
         return self._enc.encode((batch.ts, events, batch.data_parallel_rank))
+
+
+def _to_wire(ev: Event) -> Any:
+    wire = _TO_WIRE.get(type(ev))
+    return ev if wire is None else wire(*msgspec.structs.astuple(ev))
 
 
 def _array_fields(ev: Event) -> list[Any]:

@@ -23,6 +23,36 @@ POD_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _POD_NAME = re.compile(POD_NAME_PATTERN)
 
 
+class EndpointError(ValueError):
+    """A pod endpoint the subscriber could not use; ``field`` names which one."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_pod_endpoint(endpoint: str, field: str, *, connect: bool) -> None:
+    """Raise :class:`EndpointError` unless ``endpoint`` works for the subscriber.
+
+    Every tcp endpoint needs a port in 1..65535; one the subscriber connects to (the
+    live endpoint unless ``bind``, and always the replay endpoint) also needs a real
+    host, not a wildcard: ZeroMQ refuses ``connect("tcp://*:5557")``.
+    """
+    try:
+        validate_endpoint(endpoint)
+    except ValueError as exc:
+        raise EndpointError(f"{field}: {exc}", field) from None
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EndpointError(f"{field}: port must be 1..65535 in {endpoint!r}", field)
+    if connect and host.strip("[]") in ("*", "0.0.0.0", "::", ""):
+        raise EndpointError(
+            f"{field}: {endpoint!r} is a wildcard address the subscriber cannot connect to; "
+            "give the publisher's host (or bind=1 for publishers that connect to us)", field)
+
+
 def validate_pod_name(name: str) -> str:
     if not _POD_NAME.match(name):
         raise ValueError(
@@ -44,9 +74,9 @@ class PodSpec:
 
     def __post_init__(self) -> None:
         validate_pod_name(self.name)
-        validate_endpoint(self.endpoint)
+        check_pod_endpoint(self.endpoint, "endpoint", connect=not self.bind)
         if self.replay_endpoint is not None:
-            validate_endpoint(self.replay_endpoint)
+            check_pod_endpoint(self.replay_endpoint, "replay_endpoint", connect=True)
 
     @classmethod
     def parse(cls, text: str) -> PodSpec:
@@ -86,6 +116,13 @@ class AggregatorSettings:
     max_prompt_tokens: int = 1_000_000
     event_feed_size: int = 2048
     log_level: str = "info"
+    # A pod disconnected this long is not offered for routing (still listed, "down").
+    down_after_s: float = 30.0
+    # Durable restarts: snapshots of the index in this directory (None: no snapshots).
+    data_dir: str | None = None
+    snapshot_interval_s: float = 60.0
+    # A fresh replica loads this peer aggregator's snapshot (http://HOST:PORT) first.
+    bootstrap_from: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -94,6 +131,11 @@ class AggregatorSettings:
             raise ValueError("stale_after_s and replay_timeout_s must be > 0")
         if self.max_body_bytes < 1024 or self.max_prompt_tokens < 1:
             raise ValueError("max_body_bytes must be >= 1024 and max_prompt_tokens >= 1")
+        if self.down_after_s < 0 or self.snapshot_interval_s <= 0:
+            raise ValueError("down_after_s must be >= 0 and snapshot_interval_s > 0")
+        if self.bootstrap_from is not None and not self.bootstrap_from.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"bootstrap_from must be http://HOST:PORT, got {self.bootstrap_from!r}")
         names = [p.name for p in self.pods]
         if len(names) != len(set(names)):
             raise ValueError(f"pod names must be unique: {names}")
@@ -107,6 +149,10 @@ _ENV = {
     "KVEVENTS_REPLAY_TIMEOUT": ("replay_timeout_s", float),
     "KVEVENTS_MAX_BODY_BYTES": ("max_body_bytes", int),
     "KVEVENTS_MAX_PROMPT_TOKENS": ("max_prompt_tokens", int),
+    "KVEVENTS_DOWN_AFTER": ("down_after_s", float),
+    "KVEVENTS_DATA_DIR": ("data_dir", str),
+    "KVEVENTS_SNAPSHOT_INTERVAL": ("snapshot_interval_s", float),
+    "KVEVENTS_BOOTSTRAP_FROM": ("bootstrap_from", str),
 }
 
 

@@ -92,6 +92,12 @@ class SourceConfig:
     topic: str = ""
     bind: bool = False  # bind the SUB socket (publishers connect to us)
     replay_from_start: bool = True  # replay from seq 0 on first contact / restart
+    # Resume a stream whose batches up to ``resume_seq - 1`` the consumer already holds
+    # (restored from a snapshot): the next expected seq, and the publisher timestamp of
+    # batch ``resume_seq - 1`` (a later live seq below ``resume_seq`` with a newer
+    # timestamp is then a restart, not a stale copy).
+    resume_seq: int | None = None
+    resume_ts: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -280,7 +286,13 @@ class Subscriber:
         self._sources[config.name] = src
         self._register(sub, src, "live")
         self._register(src.monitor, src, "monitor")
-        if self._can_replay(src) and config.replay_from_start:
+        if config.resume_seq is not None:
+            src.expected = config.resume_seq
+            src.stats.last_seq = config.resume_seq - 1 if config.resume_seq > 0 else None
+            src.stats.last_batch_ts = config.resume_ts
+            if self._can_replay(src):
+                self._request_replay(src, config.resume_seq)  # what came while we were down
+        elif self._can_replay(src) and config.replay_from_start:
             # Catch up on history at once: an idle publisher may send nothing live for
             # a long time, and the batches it sent before we connected are in its buffer.
             src.next_probe = time.monotonic()

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from kvevents.aggregator import Aggregator
-from kvevents.api import routes_ops, routes_pods, routes_query, routes_route
+from kvevents.api import routes_ops, routes_pods, routes_query, routes_route, routes_snapshot
 from kvevents.api.errors import install_error_handlers
 from kvevents.api.limits import BodySizeLimit
 from kvevents.settings import AggregatorSettings
@@ -54,4 +54,5 @@ def create_app(
     app.include_router(routes_pods.router)
     app.include_router(routes_query.router)
     app.include_router(routes_route.router)
+    app.include_router(routes_snapshot.router)
     return app

@@ -63,9 +63,14 @@ class BodyDecoder:
 decode_lookup = BodyDecoder(LookupBody)
 
 
+# A request count, bounded so sums and ratios of loads stay finite (1e308 overflowed).
+MAX_LOAD = 1e9
+Count = Annotated[float, msgspec.Meta(ge=0, le=MAX_LOAD)]
+
+
 class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
-    waiting: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    running: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    waiting: Count = 0.0
+    running: Count = 0.0
     kv_usage: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
 
 

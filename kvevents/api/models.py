@@ -28,8 +28,8 @@ class LookupRequest(_Strict):
 
 
 class LoadIn(_Strict):
-    waiting: float = Field(0.0, ge=0, description="Requests queued.")
-    running: float = Field(0.0, ge=0, description="Requests running.")
+    waiting: float = Field(0.0, ge=0, le=1e9, description="Requests queued.")
+    running: float = Field(0.0, ge=0, le=1e9, description="Requests running.")
     kv_usage: float = Field(0.0, ge=0, le=1, description="Fraction of GPU KV blocks in use.")
 
 
@@ -65,6 +65,8 @@ class PodMatchOut(BaseModel):
     pod: str
     matched_tokens: int = Field(description="Leading prompt tokens cached in any tier.")
     tiers: dict[str, int] = Field(description="Per tier, that tier's own leading run in tokens.")
+    down: bool | None = Field(None, description="Present (true) when the pod has been down for "
+                                                "--down-after seconds: not offered for routing.")
 
 
 class LookupResponse(BaseModel):
@@ -99,6 +101,9 @@ class PodOut(BaseModel):
     restarts: int
     resyncs: int
     malformed: int
+    routable: bool = Field(True, description="False once down for --down-after seconds: "
+                                             "its blocks are not offered for routing.")
+    restore: str | None = Field(None, description="'resumed' when restored from a snapshot.")
 
 
 class PodBlocksResponse(BaseModel):

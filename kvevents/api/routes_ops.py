@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from importlib import resources
 
@@ -14,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvevents.aggregator import Aggregator
 from kvevents.api.routes_pods import get_aggregator
+from kvevents.feed import parse_last_event_id, to_json
 
 router = APIRouter(tags=["operations"])
 
@@ -27,7 +27,8 @@ def healthz(agg: Aggregator = Depends(get_aggregator)) -> dict:
     pods = agg.pod_statuses()
     return {"status": "ok", "pods": len(pods),
             "live": sum(1 for p in pods if p["status"] == "live"),
-            "uptime_seconds": round(time.time() - agg.started_at, 3)}
+            "uptime_seconds": round(time.time() - agg.started_at, 3),
+            "snapshots": agg.snapshot_stats}
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
@@ -47,7 +48,7 @@ def summary(agg: Aggregator) -> dict:
 
 def _sse(event_id: int | None, kind: str, data: dict) -> str:
     head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"{head}event: {kind}\ndata: {to_json(data)}\n\n"
 
 
 @router.get("/v1/events", summary="Server-sent events of what the index applies",
@@ -58,8 +59,7 @@ async def events(
                                       description="Close the stream after this long."),
     agg: Aggregator = Depends(get_aggregator),
 ) -> StreamingResponse:
-    last = request.headers.get("last-event-id")
-    start = int(last) if last and last.isdigit() else agg.feed.last_id
+    start = parse_last_event_id(request.headers.get("last-event-id"), agg.feed.last_id)
 
     async def stream():
         cursor = start

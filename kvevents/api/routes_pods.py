@@ -29,8 +29,7 @@ def add_pod(body: PodCreate, agg: Aggregator = Depends(get_aggregator)) -> dict:
         spec = PodSpec(name=body.name, endpoint=body.endpoint,
                        replay_endpoint=body.replay_endpoint, model=body.model, topic=body.topic)
     except ValueError as exc:
-        field = "replay_endpoint" if body.replay_endpoint and body.replay_endpoint in str(exc) else "endpoint"
-        raise ApiError(422, str(exc), field) from None
+        raise ApiError(422, str(exc), getattr(exc, "field", "endpoint")) from None
     try:
         agg.add_pod(spec)
     except PodExistsError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from fastapi import APIRouter, Depends, Query, Response
 
@@ -30,12 +32,14 @@ def check_prompt(token_ids: list[int], agg: Aggregator) -> None:
                        "token_ids")
 
 
-def lookup_payload(result: LookupResult) -> dict:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "block_size": result.block_size,
-        "pods": [{"pod": p.pod, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.pods],
-    }
+def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = frozenset()) -> dict:
+    """``down``: pods gone for ``down_after_s``; still listed, marked ``"down": true``."""
+    pods = [{"pod": p.pod, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.pods]
+    if down:
+        for entry in pods:
+            if entry["pod"] in down:
+                entry["down"] = True
+    return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "pods": pods}
 
 
 def body_doc(model: type) -> dict:
@@ -53,16 +57,26 @@ async def lookup(body: LookupBody = Depends(decode_lookup),
                  agg: Aggregator = Depends(get_aggregator)) -> Response:
     check_prompt(body.token_ids, agg)
     result = await offloop.lookup(agg, body.token_ids, body.model, body.lora_name, "lookup")
-    return json_response(lookup_payload(result))
+    return json_response(lookup_payload(result, agg.unroutable_pods()))
+
+
+# ASCII digits only: str.isdigit() also accepts "²", which int() then rejects.
+_DECIMAL = re.compile(r"-?[0-9]+")
+_MAX_HASH_CHARS = 130  # a 64-byte digest in hex, with "0x"
 
 
 def parse_block_hash(text: str) -> BlockHash:
-    """Decimal digits -> uint64 int; otherwise hex -> raw digest bytes."""
-    if text.isdigit():
+    """Decimal digits -> 64-bit int (SGLang's signed ones too); otherwise hex -> raw
+    digest bytes. Anything else, or longer than any engine hash, is a 422."""
+    if len(text) > _MAX_HASH_CHARS:
+        raise ApiError(422, f"hash is longer than {_MAX_HASH_CHARS} characters", "hash")
+    if _DECIMAL.fullmatch(text):
         value = int(text)
-        if value >= 2**64:
+        if not -(2**63) <= value < 2**64:
             raise ApiError(422, "a decimal block hash must fit in 64 bits", "hash")
         return value
+    if not text.isascii():
+        raise ApiError(422, "hash must be a decimal uint64 or hex digest bytes", "hash")
     try:
         raw = bytes.fromhex(text.removeprefix("0x"))
     except ValueError:

@@ -13,7 +13,7 @@ from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, RouteRequest, RouteResponse
 from kvevents.api.routes_pods import get_aggregator
 from kvevents.api.routes_query import body_doc, check_prompt, json_response
-from kvevents.router import Candidate, EngineLoad
+from kvevents.router import Candidate, EngineLoad, without_pods
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 
@@ -49,8 +49,12 @@ async def route(body: RouteBody = Depends(decode_route),
                 agg: Aggregator = Depends(get_aggregator)) -> Response:
     check_prompt(body.token_ids, agg)
     candidates = candidates_of(body, agg)
-    lookup = await offloop.lookup(agg, body.token_ids, body.model, body.lora_name, "route")
-    decision = agg.router.choose(body.token_ids, lookup, candidates)
+    lookup = without_pods(
+        await offloop.lookup(agg, body.token_ids, body.model, body.lora_name, "route"),
+        agg.unroutable_pods())
+    # Never a down pod while one that is not down is on offer.
+    down = agg.down_pods()
+    decision = agg.router.choose(body.token_ids, lookup, candidates, down=down)
     return json_response({
         "pod": decision.pod, "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,
         "scores": [dataclasses.asdict(s) for s in decision.scores], "reason": decision.reason,

@@ -105,8 +105,9 @@ class Fleet:
                    "--offloaded-block-size", str(offloaded_block_size)]
             self._spawn(name, cmd, env)
             self.engines.append(EngineClient(self.ctx, name, ports))
+        # The aggregator keeps snapshots next to the logs: restarted, it resumes.
         cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(port)]
+               "--port", str(port), "--data-dir", os.path.join(log_dir, "data")]
         for e in self.engines:
             cmd += ["--endpoint", f"{e.name}=tcp://127.0.0.1:{e.ports.events},"
                                   f"replay=tcp://127.0.0.1:{e.ports.replay}"]
