@@ -28,8 +28,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("default" not in text and action.default not in (None, False, argparse.SUPPRESS)
-                and action.option_strings):
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" not in text and not unset and action.option_strings:
             text += " (default: %(default)s)"
         return text
 
