@@ -124,3 +124,17 @@ def test_settings_are_immutable():
     s = load_settings(None, env={})
     with pytest.raises(pydantic.ValidationError):
         s.port = 1  # type: ignore[misc]
+
+
+def test_the_readme_config_example_loads(tmp_path):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    assert blocks, "the README shows a TOML config file"
+    for i, block in enumerate(blocks):
+        f = tmp_path / f"readme{i}.toml"
+        f.write_text(block)
+        s = load_settings(str(f), env={})
+        assert s.port == 8090 and s.pods
