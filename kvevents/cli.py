@@ -192,7 +192,11 @@ def _demo(args: argparse.Namespace) -> int:
         return status
     from kvevents.demo import run_demo
 
-    return run_demo(args)
+    try:
+        return run_demo(args)
+    except (RuntimeError, TimeoutError) as exc:  # a child process died or never answered
+        print(f"kvevents demo: failed: {exc}", file=sys.stderr)
+        return 1
 
 
 def _loadgen(args: argparse.Namespace) -> int:
