@@ -24,10 +24,19 @@ USAGE_ERROR = 2
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default unless its help already states it."""
+    """Shows each option's default unless its help already states it.
+
+    ``{default}`` in a ``serve`` option's help is the default of the setting of the same
+    name, looked up only when help is printed (kvevents.settings imports pydantic).
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        if "{default}" in text:
+            from kvevents.settings import field_default
+
+            value = field_default(action.dest)
+            text = text.replace("{default}", f"{value:g}" if isinstance(value, float) else str(value))
         unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
         if "default" not in text and not unset and action.option_strings:
             text += " (default: %(default)s)"
@@ -71,8 +80,6 @@ def _add_tail(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from kvevents.settings import DEFAULT_PORT, field_default
-
     p = sub.add_parser(
         "serve", help="run the aggregator (HTTP API, metrics, live page)",
         description="Follow KV event publishers and serve the prefix index over HTTP.\n"
@@ -84,16 +91,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="a publisher to follow (repeatable); options: replay=, model=, topic=, "
                         "bind=1 (default: none; more can be added with POST /v1/pods)")
     p.add_argument("--host", default=None,
-                   help=f"listen address (default: {field_default('host')})")
-    p.add_argument("--port", type=int, default=None, help=f"listen port (default: {DEFAULT_PORT})")
+                   help="listen address (default: {default})")
+    p.add_argument("--port", type=int, default=None, help="listen port (default: {default})")
     p.add_argument("--auth-token", default=None,
                    help="bearer token required on POST/DELETE /v1/pods (default: none, open)")
     p.add_argument("--stale-after", type=float, default=None, dest="stale_after_s", metavar="SECONDS",
-                   help="seconds of silence after which a pod is 'stale' "
-                        f"(default: {field_default('stale_after_s'):g})")
+                   help="seconds of silence after which a pod is 'stale' (default: {default})")
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help=f"HTTP server log level (default: {field_default('log_level')})")
+                   help="HTTP server log level (default: {default})")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="JSON or TOML (*.toml) file of settings, keys as the flags with '_' "
                         "(default: $KVEVENTS_CONFIG, else none)")

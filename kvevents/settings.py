@@ -32,12 +32,13 @@ from pydantic import AliasChoices, Field, InstanceOf, ValidationError, field_val
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvevents.defaults import DEFAULT_PORT
 from kvevents.transport import validate_endpoint
 
 POD_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _POD_NAME = re.compile(POD_NAME_PATTERN)
 ENV_PREFIX = "KVEVENTS_"
-DEFAULT_PORT = 8090  # not 8000: that is `vllm serve`'s default, often on the same host
+__all__ = ["DEFAULT_PORT", "AggregatorSettings", "PodSpec", "SettingsError", "load_settings"]
 
 
 def validate_pod_name(name: str) -> str:

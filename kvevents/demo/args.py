@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvevents.settings import DEFAULT_PORT
+from kvevents.defaults import DEFAULT_PORT
 
 POLICIES = ["kv", "round_robin", "least_loaded"]
 
