@@ -44,12 +44,15 @@ class EngineClient:
 
     def __init__(self, ctx: zmq.Context, name: str, ports: EnginePorts | None,
                  rpc_endpoint: str | None = None) -> None:
+        if rpc_endpoint is None:
+            if ports is None:
+                raise ValueError(f"{name}: give the engine's ports or its rpc_endpoint")
+            rpc_endpoint = f"tcp://127.0.0.1:{ports.rpc}"
         self.name = name
         self.ports = ports
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        assert ports is not None or rpc_endpoint is not None
-        self.sock.connect(rpc_endpoint or f"tcp://127.0.0.1:{ports.rpc}")  # type: ignore[union-attr]
+        self.sock.connect(rpc_endpoint)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(dict)
 
