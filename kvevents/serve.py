@@ -1,8 +1,14 @@
-"""``kvevents serve``: run the aggregator's HTTP server (uvicorn) until stopped."""
+"""``kvevents serve``: run the aggregator's HTTP server (uvicorn) until stopped.
+
+The listening socket is bound here, before uvicorn starts, so an address in use or not
+available is one clear error (:class:`ListenError`) instead of a server log line and a
+bare exit status.
+"""
 
 from __future__ import annotations
 
 import logging
+import socket
 
 import uvicorn
 
@@ -12,12 +18,39 @@ from kvevents.settings import AggregatorSettings
 log = logging.getLogger(__name__)
 
 
+class ListenError(OSError):
+    """The HTTP address could not be bound."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port``; raises :class:`ListenError`."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"--host {host!r}: not an address of this machine ({exc.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # quick restarts (TIME_WAIT)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                          "pick a free port with --port or KVEVENTS_PORT") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(settings: AggregatorSettings) -> int:
     """Serve until SIGINT/SIGTERM; the app's lifespan starts and stops the aggregator."""
+    sock = bind_socket(settings.host, settings.port)
     app = create_app(settings)
     for pod in settings.pods:
         log.info("following %s at %s%s", pod.name, pod.endpoint,
                  f" (replay {pod.replay_endpoint})" if pod.replay_endpoint else "")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
+    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

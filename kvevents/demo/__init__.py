@@ -18,38 +18,16 @@ import signal
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import httpx
-
-from kvevents.demo.driver import Driver
-from kvevents.demo.fleet import Fleet
+from kvevents.demo.args import add_arguments  # noqa: F401  (the CLI's entry, re-exported)
 from kvevents.demo.workload import builtin, mooncake_trace
 
+if TYPE_CHECKING:
+    from kvevents.demo.fleet import Fleet
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--duration", type=float, default=40.0,
-                   help="wall-clock seconds over which the workload's arrivals are spread")
-    p.add_argument("--policy", choices=["kv", "round_robin", "least_loaded"], default="kv")
-    p.add_argument("--no-cpu-tier", action="store_true", help="engines without the CPU tier")
-    p.add_argument("--port", type=int, default=8000, help="aggregator HTTP port (live page at /)")
-    p.add_argument("--summary-json", default=None, help="write the summary here")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--requests", type=int, default=240, help="built-in workload size")
-    p.add_argument("--trace", default=None, help="replay a Mooncake-format JSONL trace")
-    p.add_argument("--max-requests", type=int, default=300, help="with --trace: first N requests")
-    p.add_argument("--time-scale", type=float, default=None,
-                   help="with --trace: simulated seconds per wall second (default: fit --duration)")
-    p.add_argument("--gpu-blocks", type=int, default=None,
-                   help="GPU KV blocks per engine, 16 tokens each (default 1024, small enough that "
-                        "the CPU tier matters; 8192 with --trace, to fit its longest prompt)")
-    p.add_argument("--cpu-blocks", type=int, default=4096, help="CPU tier offloaded blocks per engine")
-    p.add_argument("--offloaded-block-size", type=int, default=64, help="tokens per offloaded block")
-    p.add_argument("--prometheus-targets", default=None, metavar="PATH",
-                   help="write a Prometheus file_sd JSON of the aggregator's and engines' "
-                        "/metrics, to point a Prometheus at the running demo")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--log-dir", default=None, help="child process logs (default: a temp dir)")
+# httpx, the driver and the fleet are imported in run_demo: they need the `demo` extra,
+# and `kvevents --help` must work without it.
 
 
 def write_targets(path: str, fleet: Fleet) -> None:
@@ -92,6 +70,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    import httpx
+
+    from kvevents.demo.driver import Driver
+    from kvevents.demo.fleet import Fleet
+
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     signal.signal(signal.SIGTERM, _interrupt)
     if args.trace:

@@ -62,7 +62,7 @@ class Driver:
         self.by_name: dict[str, EngineClient] = {e.name: e for e in fleet.engines}
         last = requests[-1].arrival if requests else 1.0
         self.time_scale = max(last, 1e-6) / max(wall_seconds, 1e-6)  # sim s per wall s
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{fleet.port}", timeout=30)
+        self.http = httpx.Client(base_url=fleet.url, timeout=30)
         self.local = {"round_robin": RoundRobinPolicy(), "least_loaded": LeastLoadedPolicy()}
         self.progress = progress
         self._poller = zmq.Poller()

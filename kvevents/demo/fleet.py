@@ -37,14 +37,22 @@ class EnginePorts:
 
 
 class EngineClient:
-    """RPC to one engine process over a DEALER socket (see connector/engine/process.py)."""
+    """RPC to one engine process over a DEALER socket (see connector/engine/process.py).
 
-    def __init__(self, ctx: zmq.Context, name: str, ports: EnginePorts) -> None:
+    ``rpc_endpoint`` overrides ``tcp://127.0.0.1:{ports.rpc}`` (an engine elsewhere,
+    e.g. another container, driven by ``kvevents loadgen``)."""
+
+    def __init__(self, ctx: zmq.Context, name: str, ports: EnginePorts | None,
+                 rpc_endpoint: str | None = None) -> None:
+        if rpc_endpoint is None:
+            if ports is None:
+                raise ValueError(f"{name}: give the engine's ports or its rpc_endpoint")
+            rpc_endpoint = f"tcp://127.0.0.1:{ports.rpc}"
         self.name = name
         self.ports = ports
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{ports.rpc}")
+        self.sock.connect(rpc_endpoint)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(dict)
 
@@ -89,6 +97,7 @@ class Fleet:
         self.ctx = zmq.Context.instance()
         self.engines: list[EngineClient] = []
         self.port = port
+        self.url = f"http://127.0.0.1:{port}"  # the aggregator, for the driver
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
         self._logs = []

@@ -1,0 +1,113 @@
+"""Arguments of ``kvevents demo`` and ``kvevents loadgen``, and their checks.
+
+Standard library only: ``kvevents --help`` builds these parsers with the base install,
+before anything that needs the ``demo`` extra (httpx, torch) is imported. The checks
+return one line per problem (the CLI prints them and exits 2) instead of raising deep
+inside the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from kvevents.defaults import DEFAULT_PORT
+
+POLICIES = ["kv", "round_robin", "least_loaded"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", type=int, default=4, help="engine processes to start (>= 1)")
+    p.add_argument("--duration", type=float, default=40.0,
+                   help="wall-clock seconds over which the workload's arrivals are spread")
+    p.add_argument("--policy", choices=POLICIES, default="kv",
+                   help="how the router picks an engine (kv asks the aggregator's /v1/route)")
+    p.add_argument("--no-cpu-tier", action="store_true", help="engines without the CPU tier")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="aggregator HTTP port (live page at /)")
+    p.add_argument("--summary-json", default=None, metavar="PATH",
+                   help="write the summary here (default: not written)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the built-in workload")
+    p.add_argument("--requests", type=int, default=240, help="built-in workload size")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="replay a Mooncake-format JSONL trace (default: the built-in workload)")
+    p.add_argument("--max-requests", type=int, default=300, help="with --trace: first N requests")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="with --trace: simulated seconds per wall second (default: fit --duration)")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="GPU KV blocks per engine, 16 tokens each (default 1024, small enough that "
+                        "the CPU tier matters; 8192 with --trace, to fit its longest prompt)")
+    p.add_argument("--cpu-blocks", type=int, default=4096, help="CPU tier offloaded blocks per engine")
+    p.add_argument("--offloaded-block-size", type=int, default=64, help="tokens per offloaded block")
+    p.add_argument("--prometheus-targets", default=None, metavar="PATH",
+                   help="write a Prometheus file_sd JSON of the aggregator's and engines' "
+                        "/metrics, to point a Prometheus at the running demo (default: not written)")
+    p.add_argument("--no-progress", action="store_true", help="no live progress line")
+    p.add_argument("--log-dir", default=None, help="child process logs (default: a temp dir)")
+
+
+def _positive(args: argparse.Namespace, names: list[str]) -> list[str]:
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            flag = "--" + name.replace("_", "-")
+            out.append(f"{flag} {value:g}: must be > 0, e.g. {flag} 1")
+    return out
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Problems with ``kvevents demo``'s arguments, one line each (empty: fine)."""
+    out = _positive(args, ["engines", "duration", "requests", "max_requests", "time_scale",
+                           "gpu_blocks", "offloaded_block_size"])
+    if args.cpu_blocks < 0:
+        out.append(f"--cpu-blocks {args.cpu_blocks}: must be >= 0 (0: no CPU tier)")
+    if not 0 < args.port < 65536:
+        out.append(f"--port {args.port}: must be 1-65535")
+    return out
+
+
+_ENGINE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._:-]{0,127})=(?P<endpoint>tcp://[^\s,]+:\d+)$")
+
+
+def add_loadgen_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--aggregator", default=f"http://127.0.0.1:{DEFAULT_PORT}", metavar="URL",
+                   help="the aggregator's base URL (its /v1/route picks the engine)")
+    p.add_argument("--engine", action="append", required=True, metavar="NAME=tcp://HOST:PORT",
+                   help="an engine's request (RPC) endpoint, named as the aggregator knows it "
+                        "(repeatable)")
+    p.add_argument("--policy", choices=POLICIES, default="kv", help="how each request is routed")
+    p.add_argument("--requests", type=int, default=120, help="requests per round")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="wall-clock seconds over which one round's arrivals are spread")
+    p.add_argument("--rounds", type=int, default=0, help="rounds to run; 0 runs until stopped")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first round's workload")
+    p.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for the aggregator and the engines to answer")
+
+
+def check_loadgen_arguments(args: argparse.Namespace) -> list[str]:
+    """Problems with ``kvevents loadgen``'s arguments, one line each (empty: fine)."""
+    out = _positive(args, ["requests", "duration", "ready_timeout"])
+    if args.rounds < 0:
+        out.append(f"--rounds {args.rounds}: must be >= 0 (0: until stopped)")
+    if not re.match(r"^https?://[^/\s]+", args.aggregator):
+        out.append(f"--aggregator {args.aggregator!r}: expected http://HOST:PORT")
+    names = []
+    for spec in args.engine:
+        m = _ENGINE.match(spec)
+        if m is None:
+            out.append(f"--engine {spec!r}: expected NAME=tcp://HOST:PORT, e.g. engine-0=tcp://engine-0:5560")
+        else:
+            names.append(m.group("name"))
+    if len(names) != len(set(names)):
+        out.append(f"--engine: names must be unique, got {names}")
+    return out
+
+
+def parse_engine(spec: str) -> tuple[str, str]:
+    """``NAME=tcp://HOST:PORT`` -> (name, endpoint); checked by :func:`check_loadgen_arguments`."""
+    m = _ENGINE.match(spec)
+    if m is None:
+        raise ValueError(f"expected NAME=tcp://HOST:PORT, got {spec!r}")
+    return m.group("name"), m.group("endpoint")
