@@ -86,6 +86,17 @@ class AggregatorSettings:
     max_prompt_tokens: int = 1_000_000
     event_feed_size: int = 2048
     log_level: str = "info"
+    # Ingest robustness (issue 11): replay deadline per gap (no progress this long:
+    # the gap is lost and the pod resyncs), the believable seq jump, byte bound of the
+    # live messages held back during a replay, ZeroMQ receive queue per pod (messages),
+    # pods allowed (None: what the socket/file budget allows), and how old the ingest
+    # loop's heartbeat may get before /healthz says it is stuck.
+    replay_deadline_s: float = 5.0
+    seq_window: int = 1_000_000
+    max_pending_bytes: int = 32 * 1024 * 1024
+    recv_hwm: int = 1000
+    max_pods: int | None = None
+    ingest_stuck_after_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -94,6 +105,12 @@ class AggregatorSettings:
             raise ValueError("stale_after_s and replay_timeout_s must be > 0")
         if self.max_body_bytes < 1024 or self.max_prompt_tokens < 1:
             raise ValueError("max_body_bytes must be >= 1024 and max_prompt_tokens >= 1")
+        if self.replay_deadline_s <= 0 or self.ingest_stuck_after_s <= 0:
+            raise ValueError("replay_deadline_s and ingest_stuck_after_s must be > 0")
+        if self.seq_window < 1 or self.max_pending_bytes < 0 or self.recv_hwm < 1:
+            raise ValueError("seq_window and recv_hwm must be >= 1, max_pending_bytes >= 0")
+        if self.max_pods is not None and self.max_pods < 0:
+            raise ValueError(f"max_pods must be >= 0, got {self.max_pods}")
         names = [p.name for p in self.pods]
         if len(names) != len(set(names)):
             raise ValueError(f"pod names must be unique: {names}")
@@ -107,6 +124,12 @@ _ENV = {
     "KVEVENTS_REPLAY_TIMEOUT": ("replay_timeout_s", float),
     "KVEVENTS_MAX_BODY_BYTES": ("max_body_bytes", int),
     "KVEVENTS_MAX_PROMPT_TOKENS": ("max_prompt_tokens", int),
+    "KVEVENTS_REPLAY_DEADLINE": ("replay_deadline_s", float),
+    "KVEVENTS_SEQ_WINDOW": ("seq_window", int),
+    "KVEVENTS_MAX_PENDING_BYTES": ("max_pending_bytes", int),
+    "KVEVENTS_RECV_HWM": ("recv_hwm", int),
+    "KVEVENTS_MAX_PODS": ("max_pods", int),
+    "KVEVENTS_INGEST_STUCK_AFTER": ("ingest_stuck_after_s", float),
 }
 
 

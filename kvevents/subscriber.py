@@ -99,7 +99,16 @@ class PublisherRestarted:
     reason: str = "seq went backwards"
 
 
-Signal = BatchReceived | GapDetected | BatchesLost | PublisherRestarted
+@dataclass(frozen=True, slots=True)
+class Resynced:
+    """The consumer asked for a resync (:meth:`Subscriber.resync`): drop the source's
+    state now; a replay from seq 0 follows when the source has a replay endpoint."""
+
+    source: str
+    reason: str
+
+
+Signal = BatchReceived | GapDetected | BatchesLost | PublisherRestarted | Resynced
 Consumer = Callable[[Signal], None]
 
 
@@ -504,6 +513,7 @@ class Subscriber:
             return
         log.warning("pod %s: resync from seq 0 (%s)", name, reason)
         self._reset(src)
+        self._emit(Resynced(name, reason))
         if self._can_replay(src):
             src.expected = 0
             self._request_replay(src, 0)

@@ -86,7 +86,7 @@ class PodOut(BaseModel):
     endpoint: str
     replay_endpoint: str | None
     model: str | None
-    status: Literal["live", "stale", "down"]
+    status: Literal["live", "stale", "down", "replaying"]
     connected: bool
     last_seq: int | None
     lag_seconds: float | None
@@ -99,6 +99,9 @@ class PodOut(BaseModel):
     restarts: int
     resyncs: int
     malformed: int
+    replay_gap: dict[str, int | None] | None = Field(
+        None, description="While replaying: the seq awaited, the first held-back live seq "
+                          "and the bytes held back.")
 
 
 class PodBlocksResponse(BaseModel):
