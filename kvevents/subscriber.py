@@ -232,6 +232,9 @@ class Subscriber:
         self._watchdog: threading.Thread | None = None
         self._final_stats: dict[str, SourceStats] | None = None
         self._bytes_since_trim = 0
+        # The source whose messages the loop is handling now: if the thread dies there,
+        # that source's stream position is unknown and it is resynced on restart.
+        self._busy: str | None = None
         # Loop health, read from other threads (plain attribute reads are atomic).
         self.heartbeat = time.monotonic()
         self.heartbeat_wall = time.time()
@@ -307,6 +310,9 @@ class Subscriber:
                           self.thread_restarts)
                 # Sockets migrate to the new thread: the old one is gone, which is the
                 # full memory barrier ZeroMQ asks for.
+                busy, self._busy = self._busy, None
+                if busy is not None:
+                    self.resync(busy, "ingest thread died while handling it")
                 self._spawn()
 
     def _run(self) -> None:
@@ -350,6 +356,7 @@ class Subscriber:
             if entry is None:
                 continue
             src, role = entry
+            self._busy = src.config.name
             # Bounded drain per socket so one busy publisher cannot starve the others.
             for _ in range(1000):
                 try:
@@ -373,6 +380,7 @@ class Subscriber:
                     self._on_live(src, frames)
                 if self._by_socket.get(sock) is None:  # removed while draining
                     break
+        self._busy = None
         self._housekeeping()
         if handled == 0 and self._bytes_since_trim >= self._TRIM_AFTER_BYTES:
             # A flood is over: give its freed buffers back to the OS.

@@ -1,0 +1,341 @@
+"""Fault suite for ingest (issue 11, items 1-6): each attack run against real sockets and,
+where the attack is on the process (file limits, floods), a real ``kvevents serve``
+process. Every case is bounded in time and ends by comparing the index with what the
+publishers actually hold.
+
+Each test prints one ``FIGURE`` line with what it measured (run with ``-s`` to see them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from support import free_port, wait_until
+from kvevents.aggregator import Aggregator
+from kvevents.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.subscriber import BatchReceived, SourceConfig, Subscriber
+from kvevents.transport import END_SEQ, pack_seq, replay_end_marker, unpack_seq
+
+ENC = BatchEncoder()
+TOKS = list(range(16))
+REPO = Path(__file__).resolve().parent.parent
+
+
+def figure(name: str, **values) -> None:
+    print(f"\nFIGURE {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+
+
+def stored(h: int, toks=TOKS) -> KVEventBatch:
+    return KVEventBatch(time.time(), [BlockStored([h], None, list(toks), 16, None, "GPU", None)])
+
+
+def settings(**kw) -> AggregatorSettings:
+    """Settings with only the fields this version knows (lets the suite also measure the
+    code before issue 11, whose settings lack the new knobs)."""
+    known = {f.name for f in dataclasses.fields(AggregatorSettings)}
+    return AggregatorSettings(**{k: v for k, v in kw.items() if k in known})
+
+
+def resident(agg: Aggregator, pod: str) -> set:
+    return set().union(*agg.index.engine_hashes(pod).values()) if agg.index.engine_hashes(pod) else set()
+
+
+class ScriptedPublisher:
+    """A real PUB + ROUTER pair whose seqs and payloads the test chooses.
+
+    ``replay``: "normal" answers a request with every buffered seq >= start and the end
+    marker; "trickle" answers with one stale (already delivered) batch every
+    ``trickle_s`` seconds and never ends. Buffered payloads are what replay serves.
+    """
+
+    def __init__(self, replay: str = "normal", trickle_s: float = 1.5) -> None:
+        self.port, self.rport = free_port(), free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{self.rport}"
+        self.mode, self.trickle_s = replay, trickle_s
+        self.buffer: dict[int, bytes] = {}
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(self.endpoint)
+        self.requests = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        self._ready.wait(5)
+
+    def publish(self, seq: int, payload: bytes, *, live: bool = True, keep: bool = True) -> None:
+        if keep:
+            self.buffer[seq] = payload
+        if live:
+            self.pub.send_multipart([b"", pack_seq(seq), payload])
+
+    def _serve(self) -> None:
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(self.replay_endpoint)
+        self._ready.set()
+        trickles: list[bytes] = []  # requesters being trickled to
+        next_trickle = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if router.poll(20):
+                    frames = router.recv_multipart()
+                    if len(frames) != 3:
+                        continue
+                    self.requests += 1
+                    ident, start = frames[0], unpack_seq(frames[2])
+                    if self.mode == "normal":
+                        for seq in sorted(s for s in self.buffer if s >= start):
+                            router.send_multipart([ident, b"", b"", pack_seq(seq), self.buffer[seq]])
+                        router.send_multipart([ident, *replay_end_marker()])
+                    else:
+                        trickles.append(ident)
+                if trickles and time.monotonic() >= next_trickle and self.buffer:
+                    seq = min(self.buffer)  # stale: the oldest batch, already delivered
+                    for ident in trickles:
+                        router.send_multipart([ident, b"", b"", pack_seq(seq), self.buffer[seq]])
+                    next_trickle = time.monotonic() + self.trickle_s
+        finally:
+            router.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.pub.close(0)
+
+
+def connected(agg: Aggregator, pod: str) -> bool:
+    return any(p["name"] == pod and p["connected"] for p in agg.pod_statuses())
+
+
+# -- in-process aggregator cases ------------------------------------------------------
+
+
+def test_fast_publisher_restart_is_detected_by_continuity():
+    """A new process publishes past the old last seq before we reconnect: the seqs look
+    continuous, the payloads are not."""
+    port, rport = free_port(), free_port()
+    cfg = dict(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", bind=True)
+    old = ZmqEventPublisher(PublisherConfig(**cfg))
+    agg = Aggregator(settings(pods=(PodSpec("p", cfg["endpoint"], cfg["replay_endpoint"]),)))
+    agg.start()
+    try:
+        for i in range(10):
+            old.publish(stored(1000 + i))
+        assert wait_until(lambda: resident(agg, "p") == set(range(1000, 1010)), 10)
+        old.shutdown()
+        new = ZmqEventPublisher(PublisherConfig(**cfg))
+        for i in range(12):  # before the aggregator's SUB has reconnected
+            new.publish(stored(2000 + i))
+        time.sleep(1.0)
+        new.publish(stored(2012))
+        truth = set(range(2000, 2013))
+        wait_until(lambda: resident(agg, "p") == truth, 10)
+        got = resident(agg, "p")
+        st = agg.source_stats()["p"]
+        figure("fast_restart", phantom_blocks=len(got - truth), missed_blocks=len(truth - got),
+               restarts=st.restarts, continuity_mismatches=getattr(st, "continuity_mismatches", "n/a"))
+        assert got == truth
+        assert st.restarts >= 1
+        new.shutdown()
+    finally:
+        agg.stop()
+
+
+def test_trickling_replay_endpoint_does_not_freeze_the_pod():
+    """Stale replies every 1.5 s must not keep a gap's replay alive forever."""
+    pub = ScriptedPublisher(replay="trickle", trickle_s=1.5)
+    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),),
+                              replay_timeout_s=2.0, replay_deadline_s=3.0))
+    agg.start()
+    try:
+        assert wait_until(lambda: connected(agg, "p"), 5)
+        time.sleep(0.3)
+        for seq in range(5):
+            pub.publish(seq, ENC.encode(stored(100 + seq)))
+        # The first contact asks the trickler for history too: wait for it to give up.
+        assert wait_until(lambda: agg.source_stats()["p"].last_seq == 4, 15)
+        pub.publish(5, ENC.encode(stored(105)), live=False)  # lost on the wire
+        t0 = time.monotonic()
+        statuses = set()
+        for seq in range(6, 16):
+            pub.publish(seq, ENC.encode(stored(100 + seq)))
+            statuses.update(p["status"] for p in agg.pod_statuses())
+            time.sleep(0.1)
+        done = wait_until(lambda: (statuses.update(p["status"] for p in agg.pod_statuses())
+                                   or agg.source_stats()["p"].last_seq == 15), 12, 0.05)
+        frozen = time.monotonic() - t0
+        gap = next(p for p in agg.pod_statuses() if p["name"] == "p")
+        st = agg.source_stats()["p"]
+        truth = set(range(106, 116))  # the gap could not be closed: state rebuilt after it
+        got = resident(agg, "p")
+        figure("trickle_replay", caught_up=done, frozen_seconds=round(frozen, 2),
+               statuses=sorted(statuses), lost=st.lost_batches, replay_timeouts=st.replay_timeouts,
+               mismatched_blocks=len(got ^ truth))
+        assert done and frozen < 8
+        assert "replaying" in statuses and gap["status"] != "replaying"
+        assert st.lost_batches == 1 and got == truth
+    finally:
+        agg.stop()
+        pub.close()
+
+
+def test_held_back_messages_are_bounded_in_bytes():
+    pub = ScriptedPublisher(replay="trickle", trickle_s=0.5)
+    got: list[int] = []
+    sub = Subscriber(lambda s: got.append(s.seq) if isinstance(s, BatchReceived) else None,
+                     replay_timeout=5.0, replay_deadline=2.0, max_pending_bytes=2000)
+    sub.add_source(SourceConfig("p", pub.endpoint, pub.replay_endpoint, replay_from_start=False))
+    sub.start()
+    try:
+        assert wait_until(lambda: sub.stats()["p"].connected > 0, 5)
+        time.sleep(0.3)
+        pub.publish(0, ENC.encode(stored(1)))
+        assert wait_until(lambda: got == [0], 5)
+        big = ENC.encode(stored(2, toks=list(range(10_000, 10_016)))) + b""  # ~200 B
+        pad = KVEventBatch(time.time(), [BlockStored([3], None, TOKS, 16, None, "GPU", "x" * 400)])
+        for seq in range(2, 12):  # seq 1 missing: a replay starts, these are held back
+            pub.publish(seq, ENC.encode(pad) if seq % 2 else big)
+        time.sleep(0.5)
+        st = sub.stats()["p"]
+        figure("held_back_bound", held_bytes=st.pending_bytes, dropped=st.pending_dropped,
+               replaying=st.replaying)
+        assert st.replaying and 0 < st.pending_bytes <= 2000 and st.pending_dropped > 0
+        # After the deadline the stream goes on: what was held is delivered, what was
+        # dropped is a gap like any other (lost here: the trickler never replays it).
+        assert wait_until(lambda: not sub.stats()["p"].replaying, 10)
+        pub.publish(12, big)
+        assert wait_until(lambda: got and got[-1] == 12, 15)
+        assert got == sorted(set(got))  # in order, each once
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_exception_inside_apply_loses_nothing_else():
+    """A BlockStored with token ids >= 2**63 between two good events."""
+    port, rport = free_port(), free_port()
+    cfg = dict(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", bind=True)
+    pub = ZmqEventPublisher(PublisherConfig(**cfg))
+    agg = Aggregator(settings(pods=(PodSpec("p", cfg["endpoint"], cfg["replay_endpoint"]),)))
+    agg.start()
+    try:
+        pub.publish(stored(1))
+        bad = BlockStored([11], None, [2**63 + i for i in range(16)], 16, None, "GPU", None)
+        ok_a = BlockStored([10], None, list(range(100, 116)), 16, None, "GPU", None)
+        ok_c = BlockStored([12], None, list(range(200, 216)), 16, None, "GPU", None)
+        pub.publish(KVEventBatch(time.time(), [ok_a, bad, ok_c]))
+        pub.publish(stored(13, toks=list(range(300, 316))))
+        truth = {1, 10, 12, 13}
+        wait_until(lambda: resident(agg, "p") == truth, 10)
+        got = resident(agg, "p")
+        errors = getattr(agg, "apply_errors", {})
+        figure("apply_exception", missing_blocks=len(truth - got), extra_blocks=len(got - truth),
+               apply_errors=dict(errors))
+        assert got == truth
+    finally:
+        agg.stop()
+        pub.shutdown()
+
+
+def test_seq_max_frame_is_not_a_loss_of_1e19_batches():
+    pub = ScriptedPublisher()
+    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),)))
+    agg.start()
+    try:
+        assert wait_until(lambda: connected(agg, "p"), 5)
+        time.sleep(0.3)
+        for seq in range(5):
+            pub.publish(seq, ENC.encode(stored(100 + seq)))
+        assert wait_until(lambda: agg.source_stats()["p"].last_seq == 4, 10)
+        pub.publish(END_SEQ, ENC.encode(stored(999)), keep=False)  # one hostile frame
+        for seq in range(5, 10):
+            pub.publish(seq, ENC.encode(stored(100 + seq)))
+        truth = set(range(100, 110))
+        wait_until(lambda: resident(agg, "p") == truth and agg.source_stats()["p"].last_seq == 9, 10)
+        st = agg.source_stats()["p"]
+        got = resident(agg, "p")
+        figure("seq_max_frame", lost_batches=st.lost_batches, restarts=st.restarts,
+               seq_jumps=getattr(st, "seq_jumps", "n/a"), mismatched_blocks=len(got ^ truth))
+        assert st.lost_batches == 0 and st.restarts == 0 and st.seq_jumps == 1
+        assert got == truth
+    finally:
+        agg.stop()
+        pub.close()
+
+
+def test_undecodable_payload_is_skipped_without_dropping_state():
+    pub = ScriptedPublisher()
+    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),)))
+    agg.start()
+    try:
+        assert wait_until(lambda: connected(agg, "p"), 5)
+        time.sleep(0.3)
+        for seq in range(10):
+            pub.publish(seq, b"\xc1 not msgpack" if seq == 5 else ENC.encode(stored(100 + seq)))
+        truth = set(range(100, 110)) - {105}
+        wait_until(lambda: agg.source_stats()["p"].last_seq == 9 and resident(agg, "p") == truth, 10)
+        st = agg.source_stats()["p"]
+        got = resident(agg, "p")
+        resyncs = next(p["resyncs"] for p in agg.pod_statuses() if p["name"] == "p")
+        figure("undecodable_payload", blocks_lost=len(truth - got), decode_errors=st.decode_errors,
+               lost_batches=st.lost_batches, resyncs=resyncs)
+        assert got == truth and st.decode_errors == 1 and st.lost_batches == 0 and resyncs == 0
+    finally:
+        agg.stop()
+        pub.close()
+
+
+class _Die(BaseException):
+    """Escapes ``except Exception``: stands for whatever could end a thread."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_dead_subscriber_thread_is_restarted_and_nothing_is_lost():
+    port, rport = free_port(), free_port()
+    pub = ZmqEventPublisher(PublisherConfig(
+        endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", bind=True))
+    seqs: list[int] = []
+    died = []
+
+    def consumer(sig):
+        if type(sig).__name__ == "Resynced":  # drop state: a replay from 0 follows
+            seqs.clear()
+        if isinstance(sig, BatchReceived):
+            if sig.seq == 3 and not died:
+                died.append(1)
+                raise _Die()
+            seqs.append(sig.seq)
+
+    sub = Subscriber(consumer)
+    sub.add_source(SourceConfig("p", pub.endpoint, pub.replay_endpoint))
+    sub.start()
+    try:
+        for i in range(8):
+            pub.publish(stored(i))
+            time.sleep(0.05)
+        ok = wait_until(lambda: 7 in seqs, 10)
+        figure("thread_death", thread_restarts=sub.thread_restarts, delivered=seqs)
+        assert ok and sub.thread_restarts == 1 and sub.running()
+        assert sorted(set(seqs)) == list(range(8)) and len(seqs) == len(set(seqs))
+    finally:
+        sub.stop()
+        pub.shutdown()
