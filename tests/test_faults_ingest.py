@@ -339,3 +339,253 @@ def test_dead_subscriber_thread_is_restarted_and_nothing_is_lost():
     finally:
         sub.stop()
         pub.shutdown()
+
+
+# -- a real `kvevents serve` process ------------------------------------------------------
+
+
+class Server:
+    """``kvevents serve`` in a child process (optionally under a hard open-file limit),
+    its log in a file."""
+
+    def __init__(self, tmp_path: Path, pods: list[str], nofile: int | None = None,
+                 **extra) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = tmp_path / f"kv-{self.port}.json"
+        cfg.write_text(json.dumps({"pods": pods, "port": self.port, **extra}))
+        self.log_path = tmp_path / f"serve-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVEVENTS_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvevents.cli", "serve", "--config", str(cfg)],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=limit, env=env)
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=5, **kw)
+
+    def wait_up(self, timeout: float = 30) -> None:
+        def up() -> bool:
+            try:
+                self.get("/healthz")
+                return True
+            except httpx.HTTPError:
+                return self.proc.poll() is not None
+        assert wait_until(up, timeout, 0.1) and self.proc.poll() is None, self.log_path.read_text()[-3000:]
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def pod(self, name: str) -> dict:
+        return next(p for p in self.get("/v1/pods").json()["pods"] if p["name"] == name)
+
+    def hashes(self, name: str) -> set:
+        tiers = self.get(f"/v1/pods/{name}/blocks").json()["tiers"]
+        return set().union(*map(set, tiers.values())) if tiers else set()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+class Fleet:
+    """``n`` publishers (PUB + ROUTER each) in this process: batches are buffered for
+    replay by one serving thread; live sends come from the caller's thread."""
+
+    def __init__(self, n: int) -> None:
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 4 * n + 64)
+        self.pubs, self.routers, self.specs = [], [], []
+        self.buffers: list[dict[int, bytes]] = [{} for _ in range(n)]
+        for i in range(n):
+            pub, router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+            for s in (pub, router):
+                s.setsockopt(zmq.LINGER, 0)
+            p = pub.bind_to_random_port("tcp://127.0.0.1")
+            r = router.bind_to_random_port("tcp://127.0.0.1")
+            self.pubs.append(pub)
+            self.routers.append(router)
+            self.specs.append(f"f{i}=tcp://127.0.0.1:{p},replay=tcp://127.0.0.1:{r}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def publish(self, i: int, seq: int, payload: bytes, live: bool = True) -> None:
+        self.buffers[i][seq] = payload
+        if live:
+            self.pubs[i].send_multipart([b"", pack_seq(seq), payload])
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        index = {}
+        for i, r in enumerate(self.routers):
+            poller.register(r, zmq.POLLIN)
+            index[r] = i
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                i = index[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) != 3:
+                        continue
+                    start, buf = unpack_seq(frames[2]), self.buffers[i]
+                    for seq in sorted(s for s in list(buf) if s >= start):
+                        sock.send_multipart([frames[0], b"", b"", pack_seq(seq), buf[seq]])
+                    sock.send_multipart([frames[0], *replay_end_marker()])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.ctx.destroy(linger=0)
+
+
+def _closed_port() -> int:
+    return free_port()  # bound and released: nothing listens there
+
+
+def test_300_pods_with_replay_endpoints_are_all_indexed(tmp_path):
+    n = 300
+    fleet = Fleet(n)
+    for i in range(n):
+        for seq in range(3):  # history, reachable only through replay
+            fleet.publish(i, seq, ENC.encode(stored(i * 10 + seq)), live=False)
+    server = Server(tmp_path, fleet.specs)
+    try:
+        server.wait_up(60)
+        t0 = time.monotonic()
+        ready = wait_until(lambda: server.get("/readyz").status_code == 200, 60, 0.5)
+        t_ready = time.monotonic() - t0
+        for i in range(n):
+            fleet.publish(i, 3, ENC.encode(stored(i * 10 + 3)))
+        complete = lambda: sum(  # noqa: E731
+            sum(p["blocks"].values()) == 4 for p in server.get("/v1/pods").json()["pods"])
+        wait_until(lambda: complete() == n, 30, 0.5)
+        exact = sum(server.hashes(f"f{i}") == {i * 10 + s for s in range(4)} for i in range(n))
+        health = server.get("/healthz")
+        figure("300_pods", ready=ready, seconds_to_ready=round(t_ready, 1), pods_exact=exact,
+               healthz=health.status_code, server_alive=server.proc.poll() is None)
+        assert ready and exact == n and health.status_code == 200
+    finally:
+        server.close()
+        fleet.close()
+
+
+def test_unauthenticated_pod_flood_meets_the_budget(tmp_path):
+    pub = ScriptedPublisher()
+    server = Server(tmp_path, [f"real={pub.endpoint},replay={pub.replay_endpoint}"], nofile=1024)
+    try:
+        server.wait_up()
+        codes: dict[int, int] = {}
+        bodies = []
+        with httpx.Client(base_url=server.url, timeout=10) as c:
+            for i in range(600):
+                r = c.post("/v1/pods", json={
+                    "name": f"flood{i}", "endpoint": f"tcp://127.0.0.1:{_closed_port()}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{_closed_port()}"})
+                codes[r.status_code] = codes.get(r.status_code, 0) + 1
+                if r.status_code >= 400 and len(bodies) < 1:
+                    bodies.append(r.json())
+        time.sleep(2)  # every flood pod probes its (closed) replay endpoint meanwhile
+        for seq in range(3):
+            pub.publish(seq, ENC.encode(stored(500 + seq)))
+        indexed = wait_until(lambda: server.hashes("real") == {500, 501, 502}, 15, 0.2)
+        health = server.get("/healthz")
+        figure("pod_flood", status_codes=codes, healthz=health.status_code,
+               real_pod_indexed=indexed, error_body=bodies[0] if bodies else None)
+        assert not any(code >= 500 for code in codes)
+        assert codes.get(409, 0) > 0 and bodies[0]["field"] and bodies[0]["error"]
+        assert health.status_code == 200 and indexed
+    finally:
+        server.close()
+        pub.close()
+
+
+def test_idle_tcp_connections_at_the_file_limit(tmp_path):
+    pub = ScriptedPublisher()
+    server = Server(tmp_path, [f"real={pub.endpoint},replay={pub.replay_endpoint}"], nofile=1024)
+    conns: list[socket.socket] = []
+    try:
+        server.wait_up()
+        assert wait_until(lambda: server.get("/readyz").status_code == 200, 15, 0.2)
+        time.sleep(0.3)
+        pub.publish(0, ENC.encode(stored(600)))
+        assert wait_until(lambda: server.hashes("real") == {600}, 10, 0.1)
+        log_before = server.log_path.stat().st_size
+        for _ in range(1100):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            conns.append(s)
+        # While the server has no descriptors left: a gap that needs a replay.
+        pub.publish(1, ENC.encode(stored(601)), live=False)
+        pub.publish(2, ENC.encode(stored(602)))
+        time.sleep(8)
+        log_bytes = server.log_path.stat().st_size - log_before
+        for s in conns:
+            s.close()
+        conns.clear()
+        indexed = wait_until(lambda: server.hashes("real") == {600, 601, 602}, 15, 0.2)
+        health = server.get("/healthz")
+        figure("idle_tcp", log_bytes_in_8s=log_bytes, healthz=health.status_code,
+               real_pod_indexed=indexed, server_alive=server.proc.poll() is None)
+        assert log_bytes < 100_000 and health.status_code == 200 and indexed
+    finally:
+        for s in conns:
+            s.close()
+        server.close()
+        pub.close()
+
+
+def test_flood_memory_is_bounded_and_returned(tmp_path):
+    """~300 MB of 100 KB batches as fast as the publisher can send them."""
+    port = free_port()
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    raw.setsockopt(zmq.SNDHWM, 0)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.bind(f"tcp://127.0.0.1:{port}")
+    server = Server(tmp_path, [f"p=tcp://127.0.0.1:{port}"])
+    try:
+        server.wait_up()
+        assert wait_until(lambda: server.pod("p")["connected"], 10, 0.1)
+        time.sleep(0.5)
+        raw.send_multipart([b"", pack_seq(0), ENC.encode(stored(1))])
+        assert wait_until(lambda: server.pod("p")["last_seq"] == 0, 10, 0.1)
+        before = server.rss_mb()
+        pad = "x" * 100_000
+        batch = ENC.encode(KVEventBatch(time.time(), [BlockStored([], None, [], 16, None, "GPU", pad)]))
+        n, peak = 3000, before
+        for seq in range(1, n + 1):
+            raw.send_multipart([b"", pack_seq(seq), batch])
+            if seq % 200 == 0:
+                peak = max(peak, server.rss_mb())
+        raw.send_multipart([b"", pack_seq(n + 1), ENC.encode(stored(2))])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and 2 not in server.hashes("p"):
+            peak = max(peak, server.rss_mb())
+            time.sleep(0.2)
+        time.sleep(3)  # idle: the flood is over
+        after = server.rss_mb()
+        pod = server.pod("p")
+        figure("flood_memory", sent_mb=round(n * len(batch) / 2**20), rss_before_mb=round(before),
+               rss_peak_mb=round(peak), rss_after_mb=round(after), batches=pod["batches"],
+               lost=pod["lost_batches"])
+        assert 2 in server.hashes("p")
+        assert after - before < 100
+    finally:
+        server.close()
+        raw.close(0)
