@@ -117,9 +117,8 @@ class Aggregator:
         self._started = True
 
     def stop(self) -> None:
-        self._subscriber.stop()
         self._started = False
-        if not self._subscriber.running():
+        if self._subscriber.stop():  # every socket closed: release the context's threads
             self._zmq.destroy(linger=0)
 
     # -- health ------------------------------------------------------------------------
@@ -137,6 +136,16 @@ class Aggregator:
         elif age > self.settings.ingest_stuck_after_s and self._pods:
             out.update(ok=False, reason=f"ingest stuck: no loop heartbeat for {age:.1f}s")
         return out
+
+    def pod_counts(self) -> tuple[int, int]:
+        """(pods, live pods) without touching the index: health must answer even
+        while ingest holds the index lock."""
+        stats = self._subscriber.stats()
+        now = time.time()
+        names = self._pod_names()
+        live = sum(1 for n in names
+                   if n in stats and not stats[n].replaying and self._status(stats[n], now) == "live")
+        return len(names), live
 
     def ingest_heartbeat_wall(self) -> float:
         return self._subscriber.heartbeat_wall

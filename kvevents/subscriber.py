@@ -274,18 +274,23 @@ class Subscriber:
             target=self._watch, name="kvevents-subscriber-watchdog", daemon=True)
         self._watchdog.start()
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop the loop and close every socket. Returns False if the loop thread did
+        not end within ``timeout`` (its sockets are then still open)."""
         self._stop.set()
         if self._watchdog is not None:
             self._watchdog.join(timeout)
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
             if self._final_stats is None:  # the loop thread was dead: clean up here
                 self._final_stats = self.stats()
                 self._close_all()
         else:
             self._final_stats = self.stats()
             self._close_all()
+        return True
 
     def _call(self, fn: Callable[[], None]) -> None:
         if self._thread is not None and self._thread.is_alive():

@@ -589,3 +589,74 @@ def test_flood_memory_is_bounded_and_returned(tmp_path):
     finally:
         server.close()
         raw.close(0)
+
+
+# -- health, readiness and the budget at start --------------------------------------------
+
+
+def test_healthz_readyz_and_liveness_metrics():
+    from kvevents.api import create_app
+    from support import ServerThread
+
+    pub = ScriptedPublisher()
+    for seq in range(3):
+        pub.publish(seq, ENC.encode(stored(700 + seq)), live=False)  # history only
+    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),),
+                              ingest_stuck_after_s=1.0))
+    try:
+        with ServerThread(create_app(aggregator=agg)) as srv:
+            r = httpx.get(srv.url + "/healthz", timeout=5)
+            assert r.status_code == 503 and "not running" in r.json()["error"]
+            agg.start()
+            assert wait_until(lambda: httpx.get(srv.url + "/readyz", timeout=5).status_code == 200, 10)
+            assert resident(agg, "p") == {700, 701, 702}
+            assert httpx.get(srv.url + "/healthz", timeout=5).status_code == 200
+            metrics = httpx.get(srv.url + "/metrics", timeout=5).text
+            beat = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("kvevents_ingest_heartbeat_timestamp_seconds"))
+            assert abs(beat - time.time()) < 5 and "kvevents_ingest_restarts_total 0.0" in metrics
+            # Stuck: the ingest thread blocks on the index while a batch waits.
+            time.sleep(0.3)
+            with agg.index.lock:
+                pub.publish(3, ENC.encode(stored(703)))
+                stuck = wait_until(lambda: httpx.get(srv.url + "/healthz", timeout=5).status_code == 503, 5)
+                body = httpx.get(srv.url + "/healthz", timeout=5).json()
+            figure("healthz_stuck", stuck_503=stuck, error=body.get("error"))
+            assert stuck and "stuck" in body["error"]
+            assert wait_until(lambda: httpx.get(srv.url + "/healthz", timeout=5).status_code == 200, 5)
+            assert wait_until(lambda: resident(agg, "p") == {700, 701, 702, 703}, 5)
+    finally:
+        agg.stop()
+        pub.close()
+
+
+def test_replaying_pod_shows_its_gap_in_v1_pods():
+    pub = ScriptedPublisher(replay="trickle", trickle_s=0.5)
+    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),),
+                              replay_deadline_s=30.0, replay_timeout_s=30.0))
+    agg.start()
+    try:
+        assert wait_until(lambda: connected(agg, "p"), 5)
+        time.sleep(0.3)
+        pub.publish(4, ENC.encode(stored(4)))  # first contact mid-stream: history 0..3 asked for
+        assert wait_until(lambda: agg.pod_statuses()[0]["status"] == "replaying", 5)
+        time.sleep(0.3)
+        pod = agg.pod_statuses()[0]
+        assert pod["replay_gap"]["from_seq"] == 0 and pod["replay_gap"]["held_from_seq"] == 4
+    finally:
+        agg.stop()
+        pub.close()
+
+
+def test_too_many_pods_for_the_budget_is_a_clear_error_at_start(tmp_path):
+    from kvevents.aggregator import PodBudgetError
+
+    pods = [f"p{i}=tcp://127.0.0.1:{_closed_port()}" for i in range(3)]
+    with pytest.raises(PodBudgetError, match="socket budget allows 2"):
+        Aggregator(settings(pods=tuple(PodSpec.parse(p) for p in pods), max_pods=2))
+    server = Server(tmp_path, pods, max_pods=2)
+    try:
+        assert server.proc.wait(30) != 0
+        assert "socket budget allows 2" in server.log_path.read_text()
+    finally:
+        server.close()
