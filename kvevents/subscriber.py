@@ -175,6 +175,7 @@ class _Source:
     replay_hard_deadline: float | None = None  # progress deadline of the same replay
     replay_cap: float | None = None  # absolute cap of the same replay
     replay_start: int = 0  # the seq the outstanding replay was asked from
+    replay_high: int | None = None  # highest seq the outstanding replay has returned
     replay_sent: bool = False  # the outstanding request went out
     replay_retry_at: float = 0.0
     pending: deque[tuple[int, bytes]] = field(default_factory=deque)  # live, held back
@@ -660,6 +661,7 @@ class Subscriber:
         src.verify = False
         now = time.monotonic()
         src.replay_start = start
+        src.replay_high = None
         src.replay_deadline = now + self._replay_timeout
         src.replay_hard_deadline = now + self._replay_deadline
         src.replay_cap = now + 6 * self._replay_deadline
@@ -712,10 +714,18 @@ class Subscriber:
         if src.replay_deadline is None:
             return  # a late reply to a replay that already ended
         if seq == END_SEQ:
+            last = src.stats.last_seq
+            if (last is not None and src.expected is not None and src.replay_start <= last
+                    and (src.replay_high is None or src.replay_high < last)):
+                # The same process always still holds the newest batch we applied; a
+                # buffer that ends below it belongs to a new process.
+                self._continuity_broken(src, last)
+                return
             self._finish_replay(src, timed_out=False)
             return
         now = time.monotonic()
         src.replay_deadline = now + self._replay_timeout  # the endpoint is alive
+        src.replay_high = seq if src.replay_high is None else max(src.replay_high, seq)
         exp = src.expected if src.expected is not None else 0
         if seq < exp:
             verdict = src.digests.check(seq, payload)

@@ -129,9 +129,12 @@ def connected(agg: Aggregator, pod: str) -> bool:
 # -- in-process aggregator cases ------------------------------------------------------
 
 
-def test_fast_publisher_restart_is_detected_by_continuity():
+@pytest.mark.parametrize("new_batches, live_after", [(12, True), (2, False)],
+                         ids=["past-old-seq", "short-and-silent"])
+def test_fast_publisher_restart_is_detected_by_continuity(new_batches, live_after):
     """A new process publishes past the old last seq before we reconnect: the seqs look
-    continuous, the payloads are not."""
+    continuous, the payloads are not. Or it published less than before and then goes
+    quiet: no seq ever goes backwards on the wire."""
     port, rport = free_port(), free_port()
     cfg = dict(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", bind=True)
     old = ZmqEventPublisher(PublisherConfig(**cfg))
@@ -143,15 +146,16 @@ def test_fast_publisher_restart_is_detected_by_continuity():
         assert wait_until(lambda: resident(agg, "p") == set(range(1000, 1010)), 10)
         old.shutdown()
         new = ZmqEventPublisher(PublisherConfig(**cfg))
-        for i in range(12):  # before the aggregator's SUB has reconnected
+        for i in range(new_batches):  # before the aggregator's SUB has reconnected
             new.publish(stored(2000 + i))
         time.sleep(1.0)
-        new.publish(stored(2012))
-        truth = set(range(2000, 2013))
+        if live_after:
+            new.publish(stored(2000 + new_batches))
+        truth = set(range(2000, 2000 + new_batches + live_after))
         wait_until(lambda: resident(agg, "p") == truth, 10)
         got = resident(agg, "p")
         st = agg.source_stats()["p"]
-        figure("fast_restart", phantom_blocks=len(got - truth), missed_blocks=len(truth - got),
+        figure(f"fast_restart[{new_batches},{live_after}]", phantom_blocks=len(got - truth), missed_blocks=len(truth - got),
                restarts=st.restarts, continuity_mismatches=getattr(st, "continuity_mismatches", "n/a"))
         assert got == truth
         assert st.restarts >= 1
@@ -267,6 +271,7 @@ def test_seq_max_frame_is_not_a_loss_of_1e19_batches():
             pub.publish(seq, ENC.encode(stored(100 + seq)))
         assert wait_until(lambda: agg.source_stats()["p"].last_seq == 4, 10)
         pub.publish(END_SEQ, ENC.encode(stored(999)), keep=False)  # one hostile frame
+        time.sleep(1.0)  # alone on the wire for a while, as in the field
         for seq in range(5, 10):
             pub.publish(seq, ENC.encode(stored(100 + seq)))
         truth = set(range(100, 110))
