@@ -176,7 +176,12 @@ def test_trickling_replay_endpoint_does_not_freeze_the_pod():
         for seq in range(5):
             pub.publish(seq, ENC.encode(stored(100 + seq)))
         # The first contact asks the trickler for history too: wait for it to give up.
-        assert wait_until(lambda: agg.source_stats()["p"].last_seq == 4, 15)
+        t_first = time.monotonic()
+        first = wait_until(lambda: agg.source_stats()["p"].last_seq == 4, 15)
+        t_first = time.monotonic() - t_first
+        if not first:
+            figure("trickle_replay", first_contact_applied=False, waited_seconds=round(t_first, 1))
+        assert first
         pub.publish(5, ENC.encode(stored(105)), live=False)  # lost on the wire
         t0 = time.monotonic()
         statuses = set()
@@ -191,7 +196,7 @@ def test_trickling_replay_endpoint_does_not_freeze_the_pod():
         st = agg.source_stats()["p"]
         truth = set(range(106, 116))  # the gap could not be closed: state rebuilt after it
         got = resident(agg, "p")
-        figure("trickle_replay", caught_up=done, frozen_seconds=round(frozen, 2),
+        figure("trickle_replay", first_contact_seconds=round(t_first, 2), caught_up=done, frozen_seconds=round(frozen, 2),
                statuses=sorted(statuses), lost=st.lost_batches, replay_timeouts=st.replay_timeouts,
                mismatched_blocks=len(got ^ truth))
         assert done and frozen < 8
@@ -527,8 +532,8 @@ def test_idle_tcp_connections_at_the_file_limit(tmp_path):
     conns: list[socket.socket] = []
     try:
         server.wait_up()
-        assert wait_until(lambda: server.get("/readyz").status_code == 200, 15, 0.2)
-        time.sleep(0.3)
+        assert wait_until(lambda: server.pod("real")["connected"], 15, 0.2)
+        time.sleep(0.5)
         pub.publish(0, ENC.encode(stored(600)))
         assert wait_until(lambda: server.hashes("real") == {600}, 10, 0.1)
         log_before = server.log_path.stat().st_size
@@ -556,7 +561,9 @@ def test_idle_tcp_connections_at_the_file_limit(tmp_path):
 
 
 def test_flood_memory_is_bounded_and_returned(tmp_path):
-    """~300 MB of 100 KB batches as fast as the publisher can send them."""
+    """~300 MB of 100 KB batches, sent faster than the aggregator applies them (each
+    removes 11,000 unknown hashes); the sender buffers without limit (SNDHWM 0), so
+    what the aggregator holds is its own receive path."""
     port = free_port()
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUB)
@@ -571,15 +578,16 @@ def test_flood_memory_is_bounded_and_returned(tmp_path):
         raw.send_multipart([b"", pack_seq(0), ENC.encode(stored(1))])
         assert wait_until(lambda: server.pod("p")["last_seq"] == 0, 10, 0.1)
         before = server.rss_mb()
-        pad = "x" * 100_000
-        batch = ENC.encode(KVEventBatch(time.time(), [BlockStored([], None, [], 16, None, "GPU", pad)]))
-        n, peak = 3000, before
+        hashes = list(range(2**63, 2**63 + 11_000))
+        batch = ENC.encode(KVEventBatch(time.time(), [BlockRemoved(hashes, "GPU")]))
+        # FAULT_FLOOD_BATCHES=6000 gives the issue's 0.6 GB (slower; 3000 by default).
+        n, peak = int(os.environ.get("FAULT_FLOOD_BATCHES", "3000")), before
         for seq in range(1, n + 1):
             raw.send_multipart([b"", pack_seq(seq), batch])
             if seq % 200 == 0:
                 peak = max(peak, server.rss_mb())
         raw.send_multipart([b"", pack_seq(n + 1), ENC.encode(stored(2))])
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and 2 not in server.hashes("p"):
             peak = max(peak, server.rss_mb())
             time.sleep(0.2)
@@ -589,8 +597,9 @@ def test_flood_memory_is_bounded_and_returned(tmp_path):
         figure("flood_memory", sent_mb=round(n * len(batch) / 2**20), rss_before_mb=round(before),
                rss_peak_mb=round(peak), rss_after_mb=round(after), batches=pod["batches"],
                lost=pod["lost_batches"])
-        assert 2 in server.hashes("p")
-        assert after - before < 100
+        assert 2 in server.hashes("p") and pod["lost_batches"] == 0
+        # Bounded: 1000 queued messages of 100 KB plus what is being decoded.
+        assert peak - before < 250 and after - before < 100
     finally:
         server.close()
         raw.close(0)

@@ -8,18 +8,19 @@ returns free pages of every arena. Only glibc has it; elsewhere this is a no-op.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
 _trim = None
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    _trim = _libc.malloc_trim
+    # The process's own symbols (no library search: ctypes.util.find_library would run
+    # ldconfig/gcc at import time, seconds on a busy machine).
+    _trim = ctypes.CDLL(None).malloc_trim
     _trim.argtypes = [ctypes.c_size_t]
     _trim.restype = ctypes.c_int
-except (OSError, AttributeError):  # not glibc
+except (OSError, AttributeError, TypeError):  # not glibc
     _trim = None
 
 
@@ -42,6 +43,4 @@ def rss_bytes() -> int | None:
             pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return None
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE")
