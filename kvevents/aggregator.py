@@ -148,7 +148,8 @@ class Aggregator:
         return len(names), live
 
     def ingest_heartbeat_wall(self) -> float:
-        return self._subscriber.heartbeat_wall
+        """Wall-clock time of the ingest loop's last sign of life."""
+        return time.time() - (time.monotonic() - self._subscriber.heartbeat)
 
     def readiness(self) -> dict:
         """Ready when every followed pod finished its initial replay (or, without a

@@ -126,7 +126,6 @@ class Subscriber:
         self._busy: str | None = None
         # Loop health, read from other threads (plain attribute reads are atomic).
         self.heartbeat = time.monotonic()
-        self.heartbeat_wall = time.time()
         self.loop_errors = 0
         self.thread_restarts = 0
         self.memory_releases = 0
@@ -231,7 +230,6 @@ class Subscriber:
         """Handle what is ready (commands, live and replay messages, deadlines, socket
         retries). Returns how many messages were handled."""
         self.heartbeat = time.monotonic()
-        self.heartbeat_wall = time.time()
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -262,6 +260,8 @@ class Subscriber:
                     log.warning("receive on %s socket of %s failed: %s", role, src.config.name, exc)
                     break
                 handled += 1
+                # Progress is liveness: a long drain of a busy publisher is not "stuck".
+                self.heartbeat = time.monotonic()
                 if role == "monitor":
                     self._on_monitor(src, frames)
                 elif role == "replay":
