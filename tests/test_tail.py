@@ -21,12 +21,17 @@ def test_tail_shows_a_lost_live_batch_recovered_through_replay():
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        time.sleep(1.0)  # the process starts and subscribes
+        # The process has imported everything and is about to subscribe once it prints
+        # its header (EOF if it died); then give the subscription time to land. A fixed
+        # sleep alone was flaky on a loaded machine (imports took over a second).
+        first = proc.stdout.readline()
+        time.sleep(1.0)
         pub.publish(KVEventBatch(1.0, [BlockStored([11, 12], None, list(range(32)), 16, None, "GPU", None)]))
         pub.publish(KVEventBatch(2.0, [BlockStored([13], 12, list(range(32, 48)), 16, None, "CPU", "lora-x")]))
         pub.publish(KVEventBatch(3.0, [BlockRemoved([11, 12], "GPU")]))  # dropped on the live hop
         pub.publish(KVEventBatch(4.0, [AllBlocksCleared()]))
         out, _ = proc.communicate(timeout=25)
+        out = first + out
     finally:
         proc.kill()
         fwd.close()
