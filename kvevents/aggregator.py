@@ -152,8 +152,9 @@ class Aggregator:
         return time.time() - (time.monotonic() - self._subscriber.heartbeat)
 
     def readiness(self) -> dict:
-        """Ready when every followed pod finished its initial replay (or, without a
-        replay endpoint, received its first batch or needs none)."""
+        """Ready when every followed pod finished its initial replay from seq 0 (a pod
+        without a replay endpoint has none to wait for; one whose publisher is down
+        keeps the aggregator not ready, listed in ``waiting``)."""
         stats = self._subscriber.stats()
         waiting = sorted(name for name in self._pod_names()
                          if not (stats.get(name) and stats[name].initial_replay_done))
