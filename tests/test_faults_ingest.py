@@ -681,3 +681,33 @@ def test_too_many_pods_for_the_budget_is_a_clear_error_at_start(tmp_path):
         assert "socket budget allows 2" in server.log_path.read_text()
     finally:
         server.close()
+
+
+def test_out_of_sockets_is_counted_and_retried_not_fatal():
+    """A context with room for one source: the second one's sockets cannot be opened;
+    that is counted and retried until the first source is removed, then it flows."""
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 4)  # SUB + the monitor's two PAIR ends: one source fits
+    a, b = ScriptedPublisher(), ScriptedPublisher()
+    got: list[tuple[str, int]] = []
+    sub = Subscriber(lambda s: got.append((s.source, s.seq)) if isinstance(s, BatchReceived) else None,
+                     context=ctx)
+    sub.add_source(SourceConfig("a", a.endpoint))
+    sub.add_source(SourceConfig("b", b.endpoint))
+    sub.start()
+    try:
+        assert wait_until(lambda: sub.stats()["b"].socket_errors >= 2, 5)
+        assert sub.stats()["a"].connected and sub.running()
+        sub.remove_source("a")
+        assert wait_until(lambda: sub.stats()["b"].connected > 0, 10)
+        time.sleep(0.3)
+        b.publish(0, ENC.encode(stored(1)))
+        assert wait_until(lambda: got == [("b", 0)], 5)
+        figure("out_of_sockets", socket_errors=sub.stats()["b"].socket_errors,
+               loop_errors=sub.loop_errors, thread_restarts=sub.thread_restarts)
+        assert sub.loop_errors == 0 and sub.thread_restarts == 0
+    finally:
+        sub.stop()
+        ctx.destroy(linger=0)
+        a.close()
+        b.close()
