@@ -63,7 +63,7 @@ from kvevents.ingest.signals import (
     Resynced,
     Signal,
 )
-from kvevents.ingest.source import SourceConfig, SourceStats, _Source
+from kvevents.ingest.source import SourceConfig, SourceStats, SourceState
 from kvevents.schema import BatchDecoder, PayloadError, peek_batch_ts
 from kvevents.transport import END_SEQ, pack_seq, unpack_seq
 
@@ -111,10 +111,10 @@ class Subscriber:
         self._max_message_bytes = max_message_bytes
         self._ctx = context or zmq.Context.instance()
         self._decoder = BatchDecoder()
-        self._sources: dict[str, _Source] = {}
+        self._sources: dict[str, SourceState] = {}
         self._poller = zmq.Poller()
         # socket -> (source, role); role is "live", "replay" or "monitor".
-        self._by_socket: dict[zmq.Socket, tuple[_Source, str]] = {}
+        self._by_socket: dict[zmq.Socket, tuple[SourceState, str]] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -309,13 +309,13 @@ class Subscriber:
     def _add(self, config: SourceConfig) -> None:
         if config.name in self._sources:
             raise ValueError(f"source {config.name!r} already exists")
-        src = _Source(config)
+        src = SourceState(config)
         self._sources[config.name] = src
         if not self._can_replay(src) or not config.replay_from_start:
             src.stats.initial_replay_done = True
         self._open(src)
 
-    def _open(self, src: _Source) -> bool:
+    def _open(self, src: SourceState) -> bool:
         """Open the live SUB socket and its monitor; on failure count it and schedule
         a retry with capped backoff (the source stays registered)."""
         config = src.config
@@ -380,11 +380,11 @@ class Subscriber:
             self._unregister(src.sub)
             self._close_quietly(src.sub)
 
-    def _register(self, sock: zmq.Socket, src: _Source, role: str) -> None:
+    def _register(self, sock: zmq.Socket, src: SourceState, role: str) -> None:
         self._poller.register(sock, zmq.POLLIN)
         self._by_socket[sock] = (src, role)
 
-    def _on_monitor(self, src: _Source, frames: list[bytes]) -> None:
+    def _on_monitor(self, src: SourceState, frames: list[bytes]) -> None:
         try:
             event = parse_monitor_message(frames)["event"]
         except Exception:  # a monitor frame we cannot parse says nothing about peers
@@ -420,7 +420,7 @@ class Subscriber:
             src.expected = 0
             self._request_replay(src, 0)
 
-    def _reset(self, src: _Source) -> None:
+    def _reset(self, src: SourceState) -> None:
         """Forget the stream (not the live socket): a new replay starts clean."""
         self._close_dealer(src)
         self._clear_replay(src)
@@ -432,7 +432,7 @@ class Subscriber:
 
     # -- live path ---------------------------------------------------------------------
 
-    def _on_live(self, src: _Source, frames: list[bytes]) -> None:
+    def _on_live(self, src: SourceState, frames: list[bytes]) -> None:
         src.stats.last_received = time.time()
         if len(frames) != 3:
             src.stats.malformed_frames += 1
@@ -459,13 +459,13 @@ class Subscriber:
         src.live_high = seq
         self._accept_live(src, seq, frames[2])
 
-    def _is_jump(self, src: _Source, seq: int) -> bool:
+    def _is_jump(self, src: SourceState, seq: int) -> bool:
         base = src.expected if src.expected is not None else None
         if src.live_high is not None:
             base = max(base or 0, src.live_high + 1)
         return base is not None and seq > base + self._seq_window
 
-    def _restart(self, src: _Source, seq: int, reason: str) -> None:
+    def _restart(self, src: SourceState, seq: int, reason: str) -> None:
         """The publisher is a new process: report it, forget the old stream, keep
         held-back live messages (they are the new process's)."""
         src.stats.restarts += 1
@@ -480,7 +480,7 @@ class Subscriber:
         self._emit(PublisherRestarted(src.config.name, -1 if last is None else last, seq, reason))
 
     @staticmethod
-    def _is_restart(src: _Source, seq: int, payload: bytes) -> bool:
+    def _is_restart(src: SourceState, seq: int, payload: bytes) -> bool:
         """Live seqs of one process only grow, so going backwards (or repeating) means
         a new publisher process. Before any live message was seen (history came by
         replay only), a seq below what was delivered is either a late live copy of a
@@ -493,7 +493,7 @@ class Subscriber:
         last = src.stats.last_batch_ts
         return ts is not None and last is not None and ts > last
 
-    def _hold(self, src: _Source, seq: int, payload: bytes) -> None:
+    def _hold(self, src: SourceState, seq: int, payload: bytes) -> None:
         """Hold a live message back while a replay runs, bounded in bytes: over the
         bound the message is dropped and counted; its seq becomes a gap later."""
         if src.pending_bytes + len(payload) > self._max_pending_bytes:
@@ -505,7 +505,7 @@ class Subscriber:
         if src.stats.replay_until is None:
             src.stats.replay_until = seq
 
-    def _accept_live(self, src: _Source, seq: int, payload: bytes) -> None:
+    def _accept_live(self, src: SourceState, seq: int, payload: bytes) -> None:
         if src.replay_deadline is not None:
             self._hold(src, seq, payload)
             return
@@ -536,10 +536,10 @@ class Subscriber:
     # -- replay path ---------------------------------------------------------------------
 
     @staticmethod
-    def _can_replay(src: _Source) -> bool:
+    def _can_replay(src: SourceState) -> bool:
         return src.config.replay_endpoint is not None
 
-    def _request_replay(self, src: _Source, start: int) -> None:
+    def _request_replay(self, src: SourceState, start: int) -> None:
         """Start a replay from ``start``; when continuity can be checked, from a few
         seqs earlier so the remembered digests are compared."""
         assert src.config.replay_endpoint is not None
@@ -560,7 +560,7 @@ class Subscriber:
         src.stats.replay_requests += 1
         self._send_replay(src)
 
-    def _send_replay(self, src: _Source) -> None:
+    def _send_replay(self, src: SourceState) -> None:
         """Send the outstanding request on the source's one DEALER (opened on first
         use); on failure count it and let housekeeping retry before the deadline."""
         try:
@@ -585,7 +585,7 @@ class Subscriber:
             src.replay_retry_at = time.monotonic() + self._BACKOFF_MIN_S * 4
             log.warning("replay request of %s failed (%s); retrying", src.config.name, exc)
 
-    def _on_replay(self, src: _Source, frames: list[bytes]) -> None:
+    def _on_replay(self, src: SourceState, frames: list[bytes]) -> None:
         # Current: [b"", topic, seq, payload]; older: [b"", seq, payload].
         if len(frames) == 4 and frames[0] == b"":
             seq_frame, payload = frames[2], frames[3]
@@ -629,7 +629,7 @@ class Subscriber:
         src.stats.replayed_batches += 1
         self._deliver(src, seq, payload, replayed=True)
 
-    def _continuity_broken(self, src: _Source, seq: int) -> None:
+    def _continuity_broken(self, src: SourceState, seq: int) -> None:
         """A replayed batch differs from the one we applied under the same seq: the
         publisher is a new process. Drop the old stream and replay the new one from 0,
         keeping the live messages held back (they are the new process's)."""
@@ -644,7 +644,7 @@ class Subscriber:
         src.expected = 0
         self._request_replay(src, 0)
 
-    def _clear_replay(self, src: _Source) -> None:
+    def _clear_replay(self, src: SourceState) -> None:
         src.replay_deadline = src.replay_hard_deadline = src.replay_cap = None
         src.replay_sent = False
         src.pending = deque()
@@ -653,7 +653,7 @@ class Subscriber:
         src.stats.replaying = False
         src.stats.replay_from = src.stats.replay_until = None
 
-    def _finish_replay(self, src: _Source, *, timed_out: bool) -> None:
+    def _finish_replay(self, src: SourceState, *, timed_out: bool) -> None:
         """End the outstanding replay and release the live batches held back.
 
         The replay was asked for after the first held batch had been published, so
@@ -690,7 +690,7 @@ class Subscriber:
             else:
                 self._accept_live(src, seq, payload)
 
-    def _close_dealer(self, src: _Source) -> None:
+    def _close_dealer(self, src: SourceState) -> None:
         if src.dealer is not None:
             self._unregister(src.dealer)
             self._close_quietly(src.dealer)
@@ -698,7 +698,7 @@ class Subscriber:
 
     # -- delivery ------------------------------------------------------------------------
 
-    def _lose(self, src: _Source, first: int, count: int, reason: str) -> None:
+    def _lose(self, src: SourceState, first: int, count: int, reason: str) -> None:
         if count > self._seq_window:
             # Not a believable number of batches: a resync, counted as one window.
             reason = f"{reason}; seq jump of {count} beyond the window, resync"
@@ -708,7 +708,7 @@ class Subscriber:
         src.expected = first + count
         self._emit(BatchesLost(src.config.name, first, count, reason))
 
-    def _deliver(self, src: _Source, seq: int, payload: bytes, *, replayed: bool) -> None:
+    def _deliver(self, src: SourceState, seq: int, payload: bytes, *, replayed: bool) -> None:
         src.expected = seq + 1
         src.stats.last_seq = seq
         src.stats.last_received = time.time()

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
 import zmq
 

@@ -62,7 +62,9 @@ class SourceStats:
 
 
 @dataclass
-class _Source:
+class SourceState:
+    """The subscriber's private state of one source (loop thread only)."""
+
     config: SourceConfig
     sub: zmq.Socket | None = None
     stats: SourceStats = field(default_factory=SourceStats)
