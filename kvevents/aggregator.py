@@ -12,6 +12,11 @@ Ownership and threads:
   before its new batches; a loss that replay could not fill is counted and drops the
   pod's state too (the index only claims blocks it can vouch for), after which the
   pod's new announcements rebuild it.
+* Ingest is supervised (issue 11): an exception while applying a batch is counted by
+  kind and the pod is rebuilt from replay with each event applied on its own, so one bad
+  event costs only itself; the loop's heartbeat and restarts feed ``/healthz``; the pod
+  count is bounded by the socket/file budget planned at start
+  (:mod:`kvevents.ingest.budget`).
 
 * Durable restarts (``data_dir``): the index and each pod's last applied (seq, ts) are
   captured together under ``_apply_lock`` and written by :mod:`kvevents.snapshot`
@@ -36,15 +41,19 @@ from prometheus_client import CollectorRegistry
 
 from kvevents import snapshot
 from kvevents.feed import EventFeed
-from kvevents.index import LookupResult, PrefixIndex
+from kvevents.ingest import ratelog
+from kvevents.ingest.budget import Budget, make_context, plan_budget
+from kvevents.index import ApplyStats, LookupResult, PrefixIndex
 from kvevents.metrics import AggregatorMetrics
 from kvevents.router import KVAwarePolicy
+from kvevents.schema import KVEventBatch
 from kvevents.settings import AggregatorSettings, PodSpec
 from kvevents.subscriber import (
     BatchesLost,
     BatchReceived,
     GapDetected,
     PublisherRestarted,
+    Resynced,
     Signal,
     SourceConfig,
     SourceStats,
@@ -56,6 +65,10 @@ log = logging.getLogger(__name__)
 
 class PodExistsError(ValueError):
     pass
+
+
+class PodBudgetError(ValueError):
+    """More pods than the socket/file budget allows (see :mod:`kvevents.ingest.budget`)."""
 
 
 @dataclass
@@ -81,7 +94,26 @@ class Aggregator:
         self.router = KVAwarePolicy()
         self._pods: dict[str, PodState] = {}
         self._pods_lock = threading.Lock()
-        self._subscriber = Subscriber(self._on_signal, replay_timeout=settings.replay_timeout_s)
+        self.budget: Budget = plan_budget(settings.max_pods)
+        if len(settings.pods) > self.budget.max_pods:
+            raise PodBudgetError(
+                f"{len(settings.pods)} pods configured but the socket budget allows "
+                f"{self.budget.max_pods} (open-file limit {self.budget.nofile_soft}, hard "
+                f"{self.budget.nofile_hard}; max_pods {settings.max_pods}): raise the hard "
+                "open-file limit (ulimit -Hn) or follow fewer pods")
+        self._zmq = make_context(self.budget)
+        self._subscriber = Subscriber(
+            self._on_signal, replay_timeout=settings.replay_timeout_s,
+            replay_deadline=settings.replay_deadline_s, seq_window=settings.seq_window,
+            max_pending_bytes=settings.max_pending_bytes, recv_hwm=settings.recv_hwm,
+            context=self._zmq,
+        )
+        # (pod, kind) -> count of exceptions while applying (kind: exception or event type).
+        self.apply_errors: dict[tuple[str, str], int] = {}
+        # pod -> [seq of the batch that failed, resync seen]: while set, that pod's
+        # batches up to the seq are applied event by event.
+        self._careful: dict[str, list] = {}
+        self._started = False
         self.started_at = time.time()
         # Held while a batch is applied and its anchor recorded, and while a snapshot
         # is captured, so a snapshot's index state and anchors always agree.
@@ -100,16 +132,22 @@ class Aggregator:
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        # Floods (idle TCP connections at the file limit, garbage publishers) must not
+        # become megabytes of repeated log lines.
+        ratelog.install()
         self._subscriber.start()
         self._housekeeper = threading.Thread(target=self._housekeeping, daemon=True,
                                              name="kvevents-housekeeping")
         self._housekeeper.start()
+        self._started = True
 
     def stop(self) -> None:
+        self._started = False
         self._stop.set()
         if self._housekeeper is not None:
             self._housekeeper.join(5)
-        self._subscriber.stop()
+        if self._subscriber.stop():  # every socket closed: release the context's threads
+            self._zmq.destroy(linger=0)
         if self.settings.data_dir:
             self.save_snapshot()  # the final one: nothing applied after it
 
@@ -174,6 +212,49 @@ class Aggregator:
             return {name for name, p in self._pods.items()
                     if p.down_since is not None and p.down_since <= limit}
 
+    # -- health ------------------------------------------------------------------------
+
+    def ingest_health(self) -> dict:
+        """``ok`` False with a ``reason`` when ingest is not running or stuck (its
+        loop's heartbeat older than ``ingest_stuck_after_s`` while pods are followed;
+        the loop beats every 50 ms even when idle)."""
+        sub = self._subscriber
+        age = time.monotonic() - sub.heartbeat
+        out = {"ok": True, "reason": None, "heartbeat_age_seconds": round(age, 3),
+               "loop_errors": sub.loop_errors, "thread_restarts": sub.thread_restarts}
+        if not self._started or not sub.running():
+            out.update(ok=False, reason="ingest is not running")
+        elif age > self.settings.ingest_stuck_after_s and self._pods:
+            out.update(ok=False, reason=f"ingest stuck: no loop heartbeat for {age:.1f}s")
+        return out
+
+    def pod_counts(self) -> tuple[int, int]:
+        """(pods, live pods) without touching the index: health must answer even
+        while ingest holds the index lock."""
+        stats = self._subscriber.stats()
+        now = time.time()
+        names = self._pod_names()
+        live = sum(1 for n in names
+                   if n in stats and not stats[n].replaying and self._status(stats[n], now) == "live")
+        return len(names), live
+
+    def ingest_heartbeat_wall(self) -> float:
+        """Wall-clock time of the ingest loop's last sign of life."""
+        return time.time() - (time.monotonic() - self._subscriber.heartbeat)
+
+    def readiness(self) -> dict:
+        """Ready when every followed pod finished its initial replay from seq 0 (a pod
+        without a replay endpoint has none to wait for; one whose publisher is down
+        keeps the aggregator not ready, listed in ``waiting``)."""
+        stats = self._subscriber.stats()
+        waiting = sorted(name for name in self._pod_names()
+                         if not (stats.get(name) and stats[name].initial_replay_done))
+        return {"ready": not waiting and self._started, "waiting": waiting}
+
+    def _pod_names(self) -> list[str]:
+        with self._pods_lock:
+            return list(self._pods)
+
     # -- pods ------------------------------------------------------------------------
 
     def add_pod(self, spec: PodSpec,
@@ -183,6 +264,10 @@ class Aggregator:
         with self._pods_lock:
             if spec.name in self._pods:
                 raise PodExistsError(f"pod {spec.name!r} already exists")
+            if len(self._pods) >= self.budget.max_pods:
+                raise PodBudgetError(
+                    f"the socket budget allows {self.budget.max_pods} pods and all are in "
+                    "use: remove one, or raise the open-file limit or max_pods")
             self._pods[spec.name] = PodState(spec, time.time(), down_since=time.monotonic())
         anchor = resume[1] if resume else None
         if anchor is not None:
@@ -234,7 +319,9 @@ class Aggregator:
                 "endpoint": spec.endpoint,
                 "replay_endpoint": spec.replay_endpoint,
                 "model": spec.model,
-                "status": self._status(st, now),
+                "status": "replaying" if st.replaying else self._status(st, now),
+                "replay_gap": ({"from_seq": st.replay_from, "held_from_seq": st.replay_until,
+                                "held_bytes": st.pending_bytes} if st.replaying else None),
                 "connected": st.connected > 0,
                 "last_seq": st.last_seq,
                 "lag_seconds": None if st.last_batch_ts is None else max(0.0, now - st.last_batch_ts),
@@ -296,8 +383,11 @@ class Aggregator:
             return  # removed while its last messages were in flight
         if isinstance(sig, BatchReceived):
             with self._apply_lock:
-                applied = self.index.apply_batch(sig.source, sig.batch, model=model)
-                self._anchors[sig.source] = (sig.seq, sig.batch.ts)
+                applied = self._apply(sig, model)
+                if applied is not None:
+                    self._anchors[sig.source] = (sig.seq, sig.batch.ts)
+            if applied is None:
+                return
             self.metrics.observe_batch(sig.source, sig.batch.ts)
             self.feed.publish("batch", {
                 "pod": sig.source, "seq": sig.seq, "replayed": sig.replayed,
@@ -321,6 +411,57 @@ class Aggregator:
                         sig.source, sig.count, sig.first_seq, sig.reason)
             self.feed.publish("loss", {"pod": sig.source, "first_seq": sig.first_seq,
                                        "count": sig.count, "reason": sig.reason})
+        elif isinstance(sig, Resynced):
+            self.index.drop_pod(sig.source)
+            careful = self._careful.get(sig.source)
+            if careful is not None:
+                careful[1] = True
+            with self._pods_lock:
+                state = self._pods.get(sig.source)
+                if state is not None:
+                    state.resyncs += 1
+            self.feed.publish("resync", {"pod": sig.source, "reason": sig.reason})
         elif isinstance(sig, GapDetected):
             self.feed.publish("gap", {"pod": sig.source, "expected": sig.expected_seq,
                                       "received": sig.received_seq})
+
+    def _count_apply_error(self, pod: str, kind: str) -> None:
+        key = (pod, kind)
+        self.apply_errors[key] = self.apply_errors.get(key, 0) + 1
+
+    def _apply(self, sig: BatchReceived, model: str | None) -> ApplyStats | None:
+        """Apply one batch; never raises. A batch that raises leaves the pod's state
+        unknown (part of it may be applied), so the pod is dropped and rebuilt from
+        replay, this time event by event up to the failing seq: the bad event is counted
+        by its kind and skipped, the rest of its batch applies. Returns the stats, or
+        None when the batch was not applied as a whole."""
+        careful = self._careful.get(sig.source)
+        if careful is not None and careful[1] and sig.seq > careful[0]:
+            del self._careful[sig.source]  # rebuilt past the failure: back to batches
+            careful = None
+        if careful is not None and careful[1]:
+            return self._apply_each(sig, model)
+        try:
+            return self.index.apply_batch(sig.source, sig.batch, model=model)
+        except Exception as exc:
+            self._count_apply_error(sig.source, type(exc).__name__)
+            log.warning("pod %s: applying batch seq %d failed (%s: %s); rebuilding the pod "
+                        "event by event", sig.source, sig.seq, type(exc).__name__, exc)
+            self._careful[sig.source] = [sig.seq, False]
+            self._subscriber.resync(sig.source, f"apply failed at seq {sig.seq}")
+            return None
+
+    def _apply_each(self, sig: BatchReceived, model: str | None) -> ApplyStats:
+        """The slow, isolating path (only while rebuilding after a failure)."""
+        total = ApplyStats()
+        for ev in sig.batch.events:
+            one = KVEventBatch(sig.batch.ts, [ev], sig.batch.data_parallel_rank)
+            try:
+                st = self.index.apply_batch(sig.source, one, model=model)
+            except Exception:
+                self._count_apply_error(sig.source, type(ev).__name__)
+                continue
+            total.stored_blocks += st.stored_blocks
+            total.removed_blocks += st.removed_blocks
+            total.cleared += st.cleared
+        return total

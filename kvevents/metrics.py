@@ -30,6 +30,18 @@ kvevents_lookup_latency_seconds             histogram: index lookup time {endpoi
 kvevents_lookup_prompt_tokens_total         prompt tokens looked up {endpoint}
 kvevents_lookup_matched_tokens_total        best pod's matched tokens {endpoint}
 kvevents_lookup_tier_tokens_total           best pod's leading run per tier {endpoint, tier}
+kvevents_apply_errors_total                 exceptions while applying {pod, kind}
+kvevents_ingest_heartbeat_timestamp_seconds wall time of the ingest loop's last iteration
+kvevents_ingest_restarts_total              ingest thread restarts by the watchdog
+kvevents_ingest_loop_errors_total           ingest loop iterations that raised (retried)
+kvevents_ingest_max_pods                    pods the socket/file budget allows
+kvevents_socket_errors_total                failed socket operations, retried {pod}
+kvevents_seq_jumps_total                    seqs beyond the believable window {pod}
+kvevents_continuity_mismatches_total        replays that showed a restarted publisher {pod}
+kvevents_replay_timeouts_total              replays ended by their deadline {pod}
+kvevents_held_back_dropped_total            held-back live messages over the byte bound {pod}
+kvevents_held_back_bytes                    live bytes held back during a replay {pod}
+kvevents_pod_replaying                      1 while a replay is outstanding {pod}
 ==========================================  =====================================
 """
 
@@ -190,6 +202,59 @@ class _StateCollector(Collector):
             errors.add_metric([spec.name, "frame"], st.malformed_frames)
             errors.add_metric([spec.name, "payload"], st.decode_errors)
             errors.add_metric([spec.name, "event"], st.skipped_events)
+        ingest = {
+            "socket_errors": CounterMetricFamily(
+                "kvevents_socket_errors", "Failed socket operations (retried)", labels=["pod"]),
+            "seq_jumps": CounterMetricFamily(
+                "kvevents_seq_jumps", "Seqs beyond the believable window", labels=["pod"]),
+            "continuity_mismatches": CounterMetricFamily(
+                "kvevents_continuity_mismatches", "Replays that showed a restarted publisher",
+                labels=["pod"]),
+            "replay_timeouts": CounterMetricFamily(
+                "kvevents_replay_timeouts", "Replays ended by their deadline", labels=["pod"]),
+            "pending_dropped": CounterMetricFamily(
+                "kvevents_held_back_dropped", "Held-back live messages dropped over the byte bound",
+                labels=["pod"]),
+        }
+        held = GaugeMetricFamily("kvevents_held_back_bytes", "Live bytes held back during a replay",
+                                 labels=["pod"])
+        replaying = GaugeMetricFamily("kvevents_pod_replaying", "1 while a replay is outstanding",
+                                      labels=["pod"])
+        for spec in agg.pod_specs():
+            st = stats.get(spec.name)
+            if st is None:
+                continue
+            for attr, fam in ingest.items():
+                fam.add_metric([spec.name], getattr(st, attr))
+            held.add_metric([spec.name], st.pending_bytes)
+            replaying.add_metric([spec.name], 1.0 if st.replaying else 0.0)
+        yield from ingest.values()
+        yield held
+        yield replaying
+        apply_errors = CounterMetricFamily(
+            "kvevents_apply_errors", "Exceptions while applying batches or events",
+            labels=["pod", "kind"])
+        for (pod, kind), n in list(agg.apply_errors.items()):
+            apply_errors.add_metric([pod, kind], n)
+        yield apply_errors
+        health = agg.ingest_health()
+        beat = GaugeMetricFamily("kvevents_ingest_heartbeat_timestamp_seconds",
+                                 "Wall time of the ingest loop's last iteration")
+        beat.add_metric([], agg.ingest_heartbeat_wall())
+        yield beat
+        restarts = CounterMetricFamily("kvevents_ingest_restarts",
+                                       "Ingest thread restarts by the watchdog")
+        restarts.add_metric([], health["thread_restarts"])
+        yield restarts
+        loop_errors = CounterMetricFamily("kvevents_ingest_loop_errors",
+                                          "Ingest loop iterations that raised (retried)")
+        loop_errors.add_metric([], health["loop_errors"])
+        yield loop_errors
+        max_pods = GaugeMetricFamily("kvevents_ingest_max_pods",
+                                     "Pods the socket/file budget allows")
+        max_pods.add_metric([], agg.budget.max_pods)
+        yield max_pods
+
         yield resident
         yield up
         yield last_seq

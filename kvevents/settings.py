@@ -160,7 +160,9 @@ def _inputs() -> tuple[Mapping[str, str], str | None]:
 # Older variable names users already set; the field-named ones win when both are.
 _LEGACY_ENV = {"pods": "KVEVENTS_ENDPOINTS", "stale_after_s": "KVEVENTS_STALE_AFTER",
                "replay_timeout_s": "KVEVENTS_REPLAY_TIMEOUT", "down_after_s": "KVEVENTS_DOWN_AFTER",
-               "snapshot_interval_s": "KVEVENTS_SNAPSHOT_INTERVAL"}
+               "snapshot_interval_s": "KVEVENTS_SNAPSHOT_INTERVAL",
+               "replay_deadline_s": "KVEVENTS_REPLAY_DEADLINE",
+               "ingest_stuck_after_s": "KVEVENTS_INGEST_STUCK_AFTER"}
 
 
 def env_name(field: str) -> str:
@@ -250,6 +252,21 @@ class AggregatorSettings(BaseSettings):
     bootstrap_from: str | None = Field(
         None, pattern=r"^https?://", description="a peer aggregator (http://HOST:PORT) whose "
                                                  "snapshot a fresh replica loads first")
+    # Ingest robustness: replay deadline per gap (no progress this long: the gap is lost
+    # and the pod resyncs), the believable seq jump, byte bound of the live messages held
+    # back during a replay, ZeroMQ receive queue per pod (messages), pods allowed (None:
+    # what the socket/file budget allows), and how old the ingest loop's heartbeat may
+    # get before /healthz says it is stuck.
+    replay_deadline_s: float = Field(5.0, gt=0, description="seconds a replay may make no "
+                                                            "progress before its gap is lost")
+    seq_window: int = Field(1_000_000, ge=1, description="largest believable forward seq jump")
+    max_pending_bytes: int = Field(32 * 1024 * 1024, ge=0,
+                                   description="bytes of live messages held back during a replay")
+    recv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive queue per pod, in messages")
+    max_pods: int | None = Field(None, ge=0, description="pods allowed (none: the socket and "
+                                                         "file budget decides)")
+    ingest_stuck_after_s: float = Field(10.0, gt=0, description="heartbeat age at which "
+                                                                "/healthz reports ingest stuck")
 
     @field_validator("pods", mode="before")
     @classmethod

@@ -88,7 +88,7 @@ class PodOut(BaseModel):
     endpoint: str
     replay_endpoint: str | None
     model: str | None
-    status: Literal["live", "stale", "down"]
+    status: Literal["live", "stale", "down", "replaying"]
     connected: bool
     last_seq: int | None
     lag_seconds: float | None
@@ -104,6 +104,9 @@ class PodOut(BaseModel):
     routable: bool = Field(True, description="False once down for --down-after seconds: "
                                              "its blocks are not offered for routing.")
     restore: str | None = Field(None, description="'resumed' when restored from a snapshot.")
+    replay_gap: dict[str, int | None] | None = Field(
+        None, description="While replaying: the seq awaited, the first held-back live seq "
+                          "and the bytes held back.")
 
 
 class PodBlocksResponse(BaseModel):

@@ -8,7 +8,7 @@ from importlib import resources
 
 from starlette.concurrency import run_in_threadpool
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import HTMLResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvevents.aggregator import Aggregator
@@ -22,13 +22,30 @@ _SSE_TICK_S = 0.25
 _SSE_SUMMARY_S = 1.0
 
 
-@router.get("/healthz", summary="Liveness")
-def healthz(agg: Aggregator = Depends(get_aggregator)) -> dict:
-    pods = agg.pod_statuses()
-    return {"status": "ok", "pods": len(pods),
-            "live": sum(1 for p in pods if p["status"] == "live"),
-            "uptime_seconds": round(time.time() - agg.started_at, 3),
+@router.get("/healthz", summary="Liveness: 503 when ingest is not running or stuck",
+            responses={503: {"description": "ingest is not running or stuck (body says why)"}})
+def healthz(agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
+    pods, live = agg.pod_counts()  # never waits on the index lock
+    ingest = agg.ingest_health()
+    body = {"status": "ok" if ingest["ok"] else "unhealthy", "pods": pods, "live": live,
+            "uptime_seconds": round(time.time() - agg.started_at, 3), "ingest": ingest,
             "snapshots": agg.snapshot_stats}
+    if not ingest["ok"]:
+        body["error"] = ingest["reason"]
+    return JSONResponse(body, status_code=200 if ingest["ok"] else 503)
+
+
+@router.get("/readyz", summary="Readiness: 200 once every pod finished its initial replay",
+            responses={503: {"description": "pods still replaying their history"}})
+def readyz(agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
+    ready = agg.readiness()
+    ingest = agg.ingest_health()
+    ok = ready["ready"] and ingest["ok"]
+    body = {"status": "ready" if ok else "not ready", "waiting": ready["waiting"][:100],
+            "waiting_count": len(ready["waiting"])}
+    if not ingest["ok"]:
+        body["error"] = ingest["reason"]
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

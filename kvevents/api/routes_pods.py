@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from kvevents.aggregator import Aggregator, PodExistsError
+from kvevents.aggregator import Aggregator, PodBudgetError, PodExistsError
 from kvevents.api.auth import require_token
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, PodBlocksResponse, PodCreate, PodsResponse
@@ -33,6 +33,8 @@ def add_pod(body: PodCreate, agg: Aggregator = Depends(get_aggregator)) -> dict:
     try:
         agg.add_pod(spec)
     except PodExistsError as exc:
+        raise ApiError(409, str(exc), "name") from None
+    except PodBudgetError as exc:  # out of sockets/files for another pod
         raise ApiError(409, str(exc), "name") from None
     return {"name": spec.name, "endpoint": spec.endpoint, "replay_endpoint": spec.replay_endpoint,
             "model": spec.model, "topic": spec.topic}

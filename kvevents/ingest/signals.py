@@ -1,0 +1,61 @@
+"""What the subscriber tells its consumer, per source, in stream order.
+
+Contract for a consumer: apply :class:`BatchReceived` in the order given; on
+:class:`PublisherRestarted`, :class:`BatchesLost` and :class:`Resynced` drop that
+source's state (what follows rebuilds it); :class:`GapDetected` is informational (the
+gap is being replayed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvevents.schema import KVEventBatch
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReceived:
+    source: str
+    seq: int
+    batch: KVEventBatch
+    replayed: bool = False
+    skipped_events: int = 0  # events of this batch that could not be decoded
+
+
+@dataclass(frozen=True, slots=True)
+class GapDetected:
+    source: str
+    expected_seq: int
+    received_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchesLost:
+    """``count`` batches from ``first_seq`` on will never arrive; resync that source."""
+
+    source: str
+    first_seq: int
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherRestarted:
+    source: str
+    last_seq: int
+    new_seq: int
+    reason: str = "seq went backwards"
+
+
+@dataclass(frozen=True, slots=True)
+class Resynced:
+    """The consumer asked for a resync (:meth:`Subscriber.resync`): drop the source's
+    state now; a replay from seq 0 follows when the source has a replay endpoint."""
+
+    source: str
+    reason: str
+
+
+Signal = BatchReceived | GapDetected | BatchesLost | PublisherRestarted | Resynced
+Consumer = Callable[[Signal], None]
