@@ -1,5 +1,5 @@
 # kvevents: the aggregator (`kvevents serve`) and the engine process
-# (`python -m connector.engine.process`) in one image.
+# (`python -m kvevents.sim.process`) in one image.
 #
 #   docker build -t kvevents .
 #   docker compose up        # aggregator + 4 engines + Prometheus + Grafana

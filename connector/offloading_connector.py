@@ -1,7 +1,7 @@
 """The offloading connector: scheduler side + worker side behind vLLM's method names.
 
 In vLLM the two roles live in different processes; here one object holds both (the
-engine in :mod:`connector.engine` is single-process), each role delegating to its own
+engine in :mod:`kvevents.sim` is single-process), each role delegating to its own
 class so a vLLM adapter could instantiate them separately.
 """
 

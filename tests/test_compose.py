@@ -2,7 +2,7 @@
 
 No Docker engine runs in CI, so the compose file is checked structurally: every service
 is there, every flag parses with the real argument parsers (the aggregator's pod specs
-with :meth:`PodSpec.parse`, the engines' with ``connector.engine.process``), every port
+with :meth:`PodSpec.parse`, the engines' with ``kvevents.sim.process``), every port
 a scraper or the aggregator dials is one a service listens on, every mounted file exists.
 The YAML files are read by a small strict reader (below) so the suite needs no PyYAML;
 it raises on any construct it does not know instead of guessing.
@@ -199,10 +199,10 @@ def test_aggregator_follows_every_engine(compose):
 
 
 def _engine_args(compose: dict, name: str):
-    from connector.engine.process import parse_args  # the engine's real flags
+    from kvevents.sim.process import parse_args  # the engine's real flags
 
     cmd = [str(a) for a in compose["services"][name]["command"]]
-    assert cmd[:3] == ["python", "-m", "connector.engine.process"], cmd
+    assert cmd[:3] == ["python", "-m", "kvevents.sim.process"], cmd
     return parse_args(cmd[3:])
 
 
