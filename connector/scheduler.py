@@ -236,3 +236,8 @@ class OffloadingConnectorScheduler:
         for key in self.manager.ready_keys():
             out.update(self.tracker.constituents(key))
         return out
+
+    def has_pending_stores(self, req_id: str) -> bool:
+        """Whether stores reading this request's blocks are still in flight."""
+        state = self._reqs.get(req_id)
+        return state is not None and bool(state.store_jobs)
