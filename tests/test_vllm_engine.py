@@ -210,7 +210,7 @@ def test_cpu_tier_events_reference_counted(runs):
                     assert h in resident, f"CPU block {h} removed but never announced"
                     resident.discard(h)
                 removed += len(ev.block_hashes)
-    assert stored > 0 and gpu > 0
+    assert stored > 0 and removed > 0 and gpu > 0
     assert resident == set(runs["conn"]["cpu_hashes"])
     print(f"events: {len(batches)} batches, {gpu} GPU events, CPU blocks stored {stored}, removed {removed}")
 

@@ -9,7 +9,8 @@ Scenario (greedy, token-id prompts, 16 GPU blocks of 32 tokens, so the engine's 
 prefix cache evicts): prompt A (100 tokens: a 96-token, 3-block prefix), filler prompts that push A out of the GPU
 cache, prompt A again (its prefix now comes from the CPU tier when the connector is on),
 then - connector only - a negative control: the CPU pool is zeroed, A is evicted again
-and sent a third time, which must change its completion. After the last request the
+and sent a third time, which must change its completion; last, new prompts that
+overflow the CPU tier (its evictions and their removal events). After the last request the
 engine is stepped until idle (in-flight copies completed, events published), and the
 true cache contents are written: the GPU prefix cache's block hashes and the
 connector's CPU-tier block hashes, as the engine publishes them (int hashes).
@@ -37,6 +38,7 @@ BLOCK = 32
 PROMPT_TOKENS = 100  # 3 full blocks (96 tokens) + 4: the prefix the tiers can serve
 MAX_TOKENS = 16
 NUM_FILLERS = 6
+NUM_LATE = 4  # new prompts at the end: they overflow the CPU tier (evictions, removals)
 
 
 def prompts(seed: int = 7) -> dict[str, list[int]]:
@@ -44,6 +46,8 @@ def prompts(seed: int = 7) -> dict[str, list[int]]:
     out = {"A": [rng.randrange(1, 1000) for _ in range(PROMPT_TOKENS)]}
     for i in range(NUM_FILLERS):
         out[f"F{i}"] = [rng.randrange(1, 1000) for _ in range(PROMPT_TOKENS)]
+    for i in range(NUM_LATE):
+        out[f"G{i}"] = [rng.randrange(1, 1000) for _ in range(PROMPT_TOKENS)]
     return out
 
 
@@ -53,7 +57,8 @@ def main() -> int:
     ap.add_argument("--connector", action="store_true")
     ap.add_argument("--events", default=None, help="PUB endpoint (explicit 127.0.0.1: vLLM connects)")
     ap.add_argument("--replay", default=None, help="replay ROUTER endpoint (vLLM binds)")
-    ap.add_argument("--cpu-bytes", type=int, default=4 << 20)
+    # 24 blocks of 32 KiB: A and the fillers (21 blocks) fit; the late prompts evict.
+    ap.add_argument("--cpu-bytes", type=int, default=24 * 32768)
     ap.add_argument("--out", required=True)
     ap.add_argument("--linger", type=float, default=0.0)
     args = ap.parse_args()
@@ -136,6 +141,9 @@ def main() -> int:
         result["a_on_gpu_before_control"] = bool(set(a_hashes) & gpu_hashes())
         result["runs"]["A_zeroed"] = run("A")
         settle()
+        for i in range(NUM_LATE):
+            result["runs"][f"G{i}"] = run(f"G{i}")
+            settle()
         result["stats"] = dict(vars(conn.scheduler.stats))
         result["cpu_hashes"] = sorted(conn.cpu_block_hashes())
     result["scenario_s"] = time.monotonic() - t1
