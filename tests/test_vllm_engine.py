@@ -50,7 +50,8 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_HOST_IP"] = "127.0.0.1"  # vLLM's internal sockets stay on loopback
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return env
 
 
@@ -63,7 +64,9 @@ class EngineRun:
         cmd = [sys.executable, str(HERE / "driver.py"), "--model", str(model), "--out", str(out),
                "--linger", str(linger), *extra]
         self._log_f = open(self.log, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+        env = _env()
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the driver: truth readable
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE,
                                      stdout=self._log_f, stderr=subprocess.STDOUT)
         self.result: dict | None = None
 
@@ -236,3 +239,82 @@ def test_aggregator_index_equals_engine_contents(runs):
     resp = httpx.post(f"{url}/v1/lookup", json={"token_ids": prompts()["A"]}, timeout=5).json()
     pods = {p["pod"]: p for p in resp["pods"]}
     assert pods[POD]["tiers"].get("CPU", 0) == 96, resp
+
+
+# ---- the OpenAI server: two processes, metadata pickled between the roles ------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, runs):  # after the in-process runs: one engine at a time
+    """``python -m vllm.entrypoints.openai.api_server`` with our connector (README's command).
+
+    Its scheduler role runs in the EngineCore process and its worker role in a separate
+    worker process; ``kvevents serve`` follows its stream.
+    """
+    tmp = tmp_path_factory.mktemp("vllm-server")
+    live, replay, http, api = free_port(), free_port(), free_port(), free_port()
+    live_ep, replay_ep = f"tcp://127.0.0.1:{live}", f"tcp://127.0.0.1:{replay}"
+    agg = subprocess.Popen(
+        [sys.executable, "-m", "kvevents.cli", "serve", "--endpoint", f"{POD}={live_ep},replay={replay_ep},bind=1",
+         "--host", "127.0.0.1", "--port", str(http)],
+        cwd=ROOT, env=_env(), stdout=open(tmp / "serve.log", "w"), stderr=subprocess.STDOUT,
+    )
+    transfer = {"kv_connector": "KVEventsOffloadingConnector", "kv_connector_module_path": "connector.vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 24 * 32768}}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": live_ep,
+              "replay_endpoint": replay_ep, "topic": ""}
+    log = open(tmp / "vllm.log", "w")
+    eng = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(api), "--skip-tokenizer-init", "--max-model-len", "256",
+         "--block-size", "32", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+         "--num-gpu-blocks-override", "16", "--enforce-eager", "--dtype", "bfloat16",
+         "--kv-transfer-config", json.dumps(transfer), "--kv-events-config", json.dumps(events)],
+        cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        def up() -> bool:
+            assert eng.poll() is None, (tmp / "vllm.log").read_text()[-4000:]
+            try:
+                return httpx.get(f"http://127.0.0.1:{api}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(up, timeout=ENGINE_TIMEOUT, interval=1.0), (tmp / "vllm.log").read_text()[-4000:]
+        yield {"api": f"http://127.0.0.1:{api}", "agg": f"http://127.0.0.1:{http}", "log": tmp / "vllm.log"}
+    finally:
+        for p in (eng, agg):
+            p.terminate()
+        for p in (eng, agg):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+
+
+def test_openai_server_serves_evicted_prefix_from_cpu_tier(server, runs):
+    sys.path.insert(0, str(HERE))
+    from driver import NUM_FILLERS, prompts
+
+    ps = prompts()
+
+    def complete(tokens: list[int]) -> dict:
+        body = {"model": "tiny", "prompt": tokens, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        resp = httpx.post(server["api"] + "/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]
+
+    assert complete(ps["A"])["prompt_tokens_details"]["cached_tokens"] == 0
+    for i in range(NUM_FILLERS):
+        complete(ps[f"F{i}"])
+    assert complete(ps["A"])["prompt_tokens_details"]["cached_tokens"] == 96
+    log = server["log"].read_text()
+    assert "(Worker pid=" in log and "(EngineCore pid=" in log  # the roles ran in two processes
+
+    def cpu_tier_reported() -> bool:
+        resp = httpx.post(server["agg"] + "/v1/lookup", json={"token_ids": ps["A"]}, timeout=5).json()
+        pods = {p["pod"]: p for p in resp["pods"]}
+        return POD in pods and pods[POD]["tiers"].get("CPU", 0) == 96
+
+    assert wait_until(cpu_tier_reported, timeout=30, interval=0.5)

@@ -30,9 +30,6 @@ import random
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 BLOCK = 32
 PROMPT_TOKENS = 100  # 3 full blocks (96 tokens) + 4: the prefix the tiers can serve
@@ -62,6 +59,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--linger", type=float, default=0.0)
     args = ap.parse_args()
+    # Set here, not at import: the tests import this module for its prompts.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's internal sockets stay on loopback
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig, KVTransferConfig
