@@ -24,7 +24,8 @@ Lifecycle of a finished request: when its stores are still in flight,
 worker reports it in ``finished_sending`` once those stores landed, and only then does
 vLLM free its blocks. Loads are asynchronous (the request waits in
 ``WAITING_FOR_REMOTE_KVS``); a failed load is reported in ``failed_recving`` with its
-block ids, and vLLM recomputes. CPU-tier events leave through ``take_events()`` on the
+block ids, and vLLM recomputes; a request aborted while its load is in flight is
+delayed too, and vLLM frees it when that load is reported in ``finished_recving``. CPU-tier events leave through ``take_events()`` on the
 engine's own ZeroMQ stream (``--kv-events-config``), in the same batches as its GPU
 events, with engine hashes converted exactly as vLLM converts its own.
 
@@ -253,6 +254,7 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
             self._block_ids: dict[str, list[int]] = {}
             self._delayed_new: set[str] = set()
             self._delayed: set[str] = set()
+            self._finished_loading: set[str] = set()
             self._job_reports: dict[int, tuple[int, bool, int, float]] = {}
         else:
             # Both roles size the pool from the same config, so they agree on its slots.
@@ -395,12 +397,21 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
         for req_id in sent:
             self._delayed.discard(req_id)
             self._forget(req_id)
+        for req_id in self._finished_loading & set(connector_output.finished_recving or ()):
+            self._finished_loading.discard(req_id)
+            self._forget(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         req_id = request.request_id
         if req_id not in self._views:
             return False, None
+        if self.scheduler.has_pending_load(req_id):
+            # Aborted while its load is in flight: the copy still writes into its blocks.
+            # vLLM frees them when the load is reported in finished_recving.
+            self._finished_loading.add(req_id)
+            self.scheduler.request_finished(self._views[req_id], block_ids)
+            return True, None
         delay = self.scheduler.request_finished(self._views[req_id], block_ids)
         if delay:
             self._delayed_new.add(req_id)
@@ -420,10 +431,11 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while copies are in flight: their completions (and so
         # the CPU-tier events and the delayed frees) arrive only with a step's output.
-        return self.scheduler is not None and (self.scheduler.has_pending_jobs() or bool(self._delayed))
+        return self.scheduler is not None and (
+            self.scheduler.has_pending_jobs() or bool(self._delayed) or bool(self._finished_loading))
 
     def has_pending_block_frees(self) -> bool:
-        return self.scheduler is not None and bool(self._delayed)
+        return self.scheduler is not None and bool(self._delayed or self._finished_loading)
 
     def reset_cache(self) -> bool | None:
         assert self.scheduler is not None

@@ -191,6 +191,14 @@ def test_negative_control_zeroed_cpu_tier_changes_output(runs):
     assert r["runs"]["A_zeroed"]["tokens"] != runs["base"]["runs"]["A"]["tokens"]
 
 
+def test_abort_during_cpu_tier_load(runs):
+    r = runs["conn"]
+    ab = r["abort_during_load"]
+    assert ab["was_loading"] and ab["load_jobs"] == 1, ab
+    assert ab["requests_left"] == 0  # its blocks were freed once the load was reported
+    assert all(len(r["runs"][f"G{i}"]["tokens"]) == 16 for i in range(4))  # the engine lives on
+
+
 def test_cpu_tier_events_reference_counted(runs):
     batches = _replay_all(runs["replay"])
     seqs = [s for s, _ in batches]

@@ -143,6 +143,21 @@ def main() -> int:
         result["a_on_gpu_before_control"] = bool(set(a_hashes) & gpu_hashes())
         result["runs"]["A_zeroed"] = run("A")
         settle()
+        # Abort while A's CPU-tier load is in flight: vLLM must not free the blocks under
+        # the copy (the connector delays it) nor die when the load is then reported.
+        for i in range(NUM_FILLERS):
+            run(f"F{i}")
+            settle()
+        loads_before = conn.scheduler.stats.load_jobs
+        llm.llm_engine.add_request("abort-during-load", TokensPrompt(prompt_token_ids=ps["A"]), params)
+        llm.llm_engine.step()  # schedules it: the load is issued and the request waits for it
+        loading = [r.request_id for r in sched.requests.values() if r.status.name == "WAITING_FOR_REMOTE_KVS"]
+        llm.llm_engine.abort_request(["abort-during-load"])
+        settle()
+        result["abort_during_load"] = {
+            "was_loading": bool(loading), "load_jobs": conn.scheduler.stats.load_jobs - loads_before,
+            "requests_left": len(sched.requests),
+        }
         for i in range(NUM_LATE):
             result["runs"][f"G{i}"] = run(f"G{i}")
             settle()
