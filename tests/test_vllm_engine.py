@@ -170,6 +170,7 @@ def test_identical_greedy_outputs(runs):
     for n in names:
         assert conn[n]["tokens"] == base[n]["tokens"], n
     assert base["A2"]["tokens"] == base["A"]["tokens"]
+    print(f"identical greedy outputs: {len(names)} prompts x 16 tokens; A -> {conn['A']['tokens'][:8]}...")
 
 
 def test_evicted_prefix_served_from_cpu_tier(runs):
@@ -182,6 +183,8 @@ def test_evicted_prefix_served_from_cpu_tier(runs):
     assert runs["base"]["runs"]["A2"]["cached"] == 0
     assert r["stats_before_control"]["loaded_chunks"] >= 3
     assert r["stats_before_control"]["failed_jobs"] == 0
+    print(f"cached_tokens of A after eviction: {r['runs']['A2']['cached']} with the connector, "
+          f"{runs['base']['runs']['A2']['cached']} without; stats {r['stats_before_control']}")
 
 
 def test_negative_control_zeroed_cpu_tier_changes_output(runs):
@@ -247,6 +250,7 @@ def test_aggregator_index_equals_engine_contents(runs):
     resp = httpx.post(f"{url}/v1/lookup", json={"token_ids": prompts()["A"]}, timeout=5).json()
     pods = {p["pod"]: p for p in resp["pods"]}
     assert pods[POD]["tiers"].get("CPU", 0) == 96, resp
+    print(f"index == engine: GPU {len(want['GPU'])} blocks, CPU {len(want['CPU'])} blocks; lookup {pods[POD]}")
 
 
 # ---- the OpenAI server: two processes, metadata pickled between the roles ------------
