@@ -25,7 +25,7 @@ COPY kvevents ./kvevents
 COPY connector ./connector
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
-# Engines (`python -m connector.engine.process`) and the load generator (`kvevents
+# Engines (`python -m kvevents.sim.process`) and the load generator (`kvevents
 # loadgen`): the connector and demo extras. torch first, the CPU build pinned (the one
 # the tests run on), in its own layer so code changes do not download it again.
 FROM base AS engine
@@ -35,7 +35,7 @@ RUN pip install "$(echo /wheels/kvevents-*.whl)[demo]" && rm -rf /wheels
 USER kvevents
 # 5557 events (PUB), 5558 replay (ROUTER), 5560 requests (ROUTER), 9100 /metrics.
 EXPOSE 5557 5558 5560 9100
-CMD ["python", "-m", "connector.engine.process", "--name", "engine-0"]
+CMD ["python", "-m", "kvevents.sim.process", "--name", "engine-0"]
 
 # The aggregator: the base install only (no torch, no httpx).
 FROM base AS aggregator

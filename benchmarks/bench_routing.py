@@ -22,7 +22,7 @@ import numpy as np
 
 from common import machine, print_table, write_json
 from connector import OffloadConfig
-from connector.engine import EngineConfig, PagedEngine
+from kvevents.sim import EngineConfig, PagedEngine
 from kvevents.demo.workload import mooncake_trace
 from kvevents.index import PrefixIndex
 from kvevents.publisher import EventPublisher

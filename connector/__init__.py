@@ -1,16 +1,21 @@
 """Engine-side KV offloading connector (torch lives only in this package).
 
-Pipeline::
+One core, thin adapters::
 
-    engine step ─► OffloadingConnector
-                     ├ scheduler: CPUOffloadingManager (LRU | ARC) ─► OffloadEventsTracker ─► wire events
-                     └ worker:    CPU pool + TransferHandler (CUDA streams | CPU thread)
+    core:  scheduler role  OffloadingConnectorScheduler ─ CPUOffloadingManager (LRU | ARC)
+                                                        └ OffloadEventsTracker ─► wire events
+           worker role     OffloadingConnectorWorker ─ CPU pool + TransferHandler (CUDA | CPU thread)
+    adapters:
+           connector.vllm        KVEventsOffloadingConnector: vLLM 0.32 loads it (two processes)
+           OffloadingConnector   both roles in one object, for a single-process engine
+                                 (kvevents.sim, the demo's and benchmarks' simulated engine)
+           MultiConnector        several single-process connectors behind one
 
 Modules: ``config`` (OffloadConfig), ``kv_layout`` (KV tensor shapes), ``metadata``
-(step plumbing), ``base`` (KVConnector interface), ``offload/`` (manager, policies),
-``transfer/`` (copy handlers), ``events_tracker``, ``scheduler`` / ``worker`` (the two
-roles), ``offloading_connector``, ``multi`` (MultiConnector), ``engine/`` (a paged-KV
-engine driving all of it).
+(the core's step plumbing), ``base`` (the single-process connector contract),
+``offload/`` (manager, policies), ``transfer/`` (copy handlers), ``events_tracker``,
+``scheduler`` / ``worker`` (the two roles of the core), ``offloading_connector``,
+``multi``, ``vllm`` (imports vLLM; nothing else here does).
 """
 
 from connector.base import KVConnector

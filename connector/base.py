@@ -1,6 +1,7 @@
-"""The connector interface an engine drives (vLLM v1 ``KVConnectorBase_V1`` names).
+"""The contract a single-process engine drives (the simulated engine in ``kvevents.sim``).
 
-Per engine step, in this order::
+Both roles of the core in one object, called in engine-step order (vLLM itself loads
+the core through :mod:`connector.vllm`, whose interface is vLLM's own). Per step::
 
     scheduler side                                 worker side
     get_num_new_matched_tokens(req, n_computed)    (new requests only)

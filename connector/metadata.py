@@ -1,8 +1,9 @@
-"""Data passed between engine, scheduler-side connector and worker-side connector.
+"""The core's step plumbing between its scheduler role and its worker role.
 
-Mirrors vLLM's v1 connector plumbing: the scheduler builds a :class:`ConnectorMetadata`
-each step, the worker executes it, and the worker's :class:`KVConnectorOutput` flows
-back to the scheduler through ``update_connector_output``.
+The scheduler role builds a :class:`ConnectorMetadata` each step, the worker role
+executes it, and the worker's :class:`KVConnectorOutput` flows back to the scheduler
+role. Adapters translate an engine's own step data into these (:mod:`connector.vllm`
+wraps them in vLLM's metadata classes, which vLLM pickles between processes).
 """
 
 from __future__ import annotations

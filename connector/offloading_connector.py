@@ -1,8 +1,8 @@
-"""The offloading connector: scheduler side + worker side behind vLLM's method names.
+"""The offloading core's single-process adapter: both roles in one object.
 
-In vLLM the two roles live in different processes; here one object holds both (the
-engine in :mod:`connector.engine` is single-process), each role delegating to its own
-class so a vLLM adapter could instantiate them separately.
+The simulated engine in :mod:`kvevents.sim` is single-process, so one object holds both
+roles, each delegating to the core class of its role. vLLM runs the roles in two
+processes and loads them through :mod:`connector.vllm` instead.
 """
 
 from __future__ import annotations

@@ -236,3 +236,12 @@ class OffloadingConnectorScheduler:
         for key in self.manager.ready_keys():
             out.update(self.tracker.constituents(key))
         return out
+
+    def has_pending_stores(self, req_id: str) -> bool:
+        """Whether stores reading this request's blocks are still in flight."""
+        state = self._reqs.get(req_id)
+        return state is not None and bool(state.store_jobs)
+
+    def has_pending_load(self, req_id: str) -> bool:
+        """Whether a load into this request's blocks is issued and not yet completed."""
+        return any(job.req_id == req_id and job.direction is Direction.LOAD for job in self._jobs.values())

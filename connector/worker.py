@@ -22,6 +22,7 @@ class OffloadingConnectorWorker:
         self.layout = layout
         self.num_pool_rows = num_pool_rows
         self.cpu_pool: dict[str, torch.Tensor] = {}
+        self.engine_kv: dict[str, torch.Tensor] = {}  # the engine's tensors (not owned)
         self.handler: TransferHandler | None = None
         self._meta = ConnectorMetadata()
         self._job_req: dict[int, str] = {}
@@ -31,6 +32,7 @@ class OffloadingConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.handler is not None:
             raise RuntimeError("KV caches are already registered")
+        self.engine_kv = dict(kv_caches)
         first = next(iter(kv_caches.values()))
         pin = first.is_cuda  # page-locked memory only pays off for device copies
         self.cpu_pool = {

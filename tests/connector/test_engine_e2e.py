@@ -5,7 +5,7 @@ import pytest
 from kvevents.schema import BlockStored
 
 from connector import OffloadConfig
-from connector.engine import EngineConfig, PagedEngine
+from kvevents.sim import EngineConfig, PagedEngine
 
 from offload_helpers import Subscribed, replay
 
@@ -34,7 +34,7 @@ def test_evicted_prefix_is_served_from_cpu_bit_exact_and_events_say_so(policy):
         eng.run_until_idle()
         contents = eng.cache_contents()
         b_prompt = shared + prompt(rng, 90)
-        from connector.engine.request import Request
+        from kvevents.sim.request import Request
 
         b_hashes = Request("x", b_prompt, 1, 0.0, 16).block_hashes
         assert not set(b_hashes[:12]) & contents["GPU"], "prefix must be gone from GPU"

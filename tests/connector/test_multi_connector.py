@@ -1,7 +1,7 @@
 import random
 
 from connector import KVCacheLayout, MultiConnector, OffloadConfig, OffloadingConnector
-from connector.engine import EngineConfig, PagedEngine
+from kvevents.sim import EngineConfig, PagedEngine
 
 
 def test_loads_from_first_child_with_hits_saves_to_all_and_merges():

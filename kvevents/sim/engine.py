@@ -24,11 +24,11 @@ from kvevents.schema import MEDIUM_CPU, MEDIUM_GPU, Event, KVEventBatch
 
 from connector.base import KVConnector
 from connector.config import OffloadConfig
-from connector.engine.block_pool import BlockPool
-from connector.engine.config import EngineConfig
-from connector.engine.forward import KVWriter
-from connector.engine.request import Request, RequestResult, RequestStatus
-from connector.engine.scheduler import Scheduler, StepPlan
+from kvevents.sim.block_pool import BlockPool
+from kvevents.sim.config import EngineConfig
+from kvevents.sim.forward import KVWriter
+from kvevents.sim.request import Request, RequestResult, RequestStatus
+from kvevents.sim.scheduler import Scheduler, StepPlan
 from connector.offloading_connector import OffloadingConnector
 
 

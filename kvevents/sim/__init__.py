@@ -6,8 +6,8 @@ GPU events), ``forward`` (deterministic KV writes and verification), ``scheduler
 (PagedEngine: the step loop).
 """
 
-from connector.engine.config import EngineConfig, TimeModel
-from connector.engine.engine import PagedEngine
-from connector.engine.request import RequestResult
+from kvevents.sim.config import EngineConfig, TimeModel
+from kvevents.sim.engine import PagedEngine
+from kvevents.sim.request import RequestResult
 
 __all__ = ["EngineConfig", "PagedEngine", "RequestResult", "TimeModel"]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvevents.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
 
-from connector.engine.request import Request
+from kvevents.sim.request import Request
 
 
 class BlockPool:

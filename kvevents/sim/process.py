@@ -1,6 +1,6 @@
 """An engine process: the paged-KV engine with its CPU tier, serving requests.
 
-    python -m connector.engine.process --name engine-0 --events-port 5557 \
+    python -m kvevents.sim.process --name engine-0 --events-port 5557 \
         --replay-port 5558 --rpc-port 5560 --metrics-port 9100
 
 What it does, like an inference server would:
@@ -9,7 +9,7 @@ What it does, like an inference server would:
   connector, self-describing) on a PUB socket ``tcp://BIND:events-port`` with a replay
   ROUTER on ``replay-port`` — exactly what a vLLM engine started with
   ``--kv-events-config`` exposes, so any aggregator can follow it;
-* serves ``/metrics`` on ``metrics-port`` (see :mod:`connector.engine.metrics`);
+* serves ``/metrics`` on ``metrics-port`` (see :mod:`kvevents.sim.metrics`);
 * takes requests on a ROUTER socket (``rpc-port``; clients use DEALER) — msgpack maps:
 
   ``{"op": "submit", "id", "token_ids", "max_new_tokens", "arrival"}`` -> later
@@ -38,9 +38,9 @@ import zmq
 from prometheus_client import CollectorRegistry, start_http_server
 
 from connector.config import OffloadConfig
-from connector.engine.config import EngineConfig
-from connector.engine.engine import PagedEngine
-from connector.engine.metrics import CountingPublisher, EngineMetrics
+from kvevents.sim.config import EngineConfig
+from kvevents.sim.engine import PagedEngine
+from kvevents.sim.metrics import CountingPublisher, EngineMetrics
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 
 log = logging.getLogger("kvevents.engine")

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from connector.engine.hashing import extend_hashes
+from kvevents.sim.hashing import extend_hashes
 
 
 class RequestStatus(enum.Enum):

@@ -17,8 +17,8 @@ from kvevents.publisher import EventPublisher, PublisherStats
 from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch, medium_of
 
 if TYPE_CHECKING:
-    from connector.engine.engine import PagedEngine
-    from connector.engine.request import RequestResult
+    from kvevents.sim.engine import PagedEngine
+    from kvevents.sim.request import RequestResult
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

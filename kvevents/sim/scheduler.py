@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from connector.base import KVConnector
-from connector.engine.block_pool import BlockPool
-from connector.engine.request import Request, RequestStatus
+from kvevents.sim.block_pool import BlockPool
+from kvevents.sim.request import Request, RequestStatus
 from connector.metadata import ScheduledRequest, SchedulerOutput
 
 
