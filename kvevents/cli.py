@@ -38,6 +38,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="bearer token required on mutating endpoints (or KVEVENTS_AUTH_TOKEN)")
     p.add_argument("--stale-after", type=float, default=None, dest="stale_after_s",
                    help="seconds of silence after which a pod is 'stale' (default 30)")
+    p.add_argument("--tokenizer", action="append", default=None, metavar="MODEL=PATH",
+                   help="tokenizer directory (Hugging Face layout) for lookups by prompt text "
+                        "or chat messages of MODEL (repeatable; or KVEVENTS_TOKENIZERS)")
     p.add_argument("--config", default=None, help="JSON or TOML file with the same settings")
 
 
@@ -67,13 +70,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
     if args.command == "serve":
         from kvevents.serve import run_server
-        from kvevents.settings import PodSpec, load_settings
+        from kvevents.settings import PodSpec, load_settings, parse_tokenizer
 
         try:
             pods = tuple(PodSpec.parse(e) for e in args.endpoint) if args.endpoint else None
+            tokenizers = tuple(parse_tokenizer(t) for t in args.tokenizer) if args.tokenizer else None
             settings = load_settings(
                 args.config, pods=pods, host=args.host, port=args.port,
                 auth_token=args.auth_token, stale_after_s=args.stale_after_s,
+                tokenizers=tokenizers,
             )
         except (ValueError, OSError) as exc:
             parser.error(str(exc))

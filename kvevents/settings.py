@@ -3,6 +3,11 @@
 Sources, later ones winning: built-in defaults < a config file (JSON or TOML,
 ``--config``) < environment variables (``KVEVENTS_*``) < command-line flags.
 
+A tokenizer (for lookups by prompt text or chat) is written ``MODEL=PATH``, PATH a local
+Hugging Face tokenizer directory; ``KVEVENTS_TOKENIZERS`` separates them with ``;``,
+the config file's ``tokenizers`` is a table ``{MODEL = "PATH"}`` or a list of
+``"MODEL=PATH"``.
+
 A pod (one publisher to follow) is written ``NAME=ENDPOINT[,replay=ENDPOINT][,model=M]
 [,topic=T]``, e.g. ``vllm-0=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
 """
@@ -72,6 +77,14 @@ class PodSpec:
         return cls(name=name.strip(), endpoint=endpoint.strip(), **kw)
 
 
+def parse_tokenizer(text: str) -> tuple[str, str]:
+    """Parse ``MODEL=PATH`` (a tokenizer directory for the model's prompts)."""
+    model, sep, path = text.partition("=")
+    if not sep or not model.strip() or not path.strip():
+        raise ValueError(f"expected MODEL=PATH (a tokenizer directory), got {text!r}")
+    return model.strip(), path.strip()
+
+
 @dataclass(frozen=True)
 class AggregatorSettings:
     """Everything ``kvevents serve`` needs; immutable once built."""
@@ -86,6 +99,8 @@ class AggregatorSettings:
     max_prompt_tokens: int = 1_000_000
     event_feed_size: int = 2048
     log_level: str = "info"
+    # (model, tokenizer directory) pairs: lookups by prompt text or chat for that model.
+    tokenizers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -118,6 +133,10 @@ def _from_mapping(data: dict[str, Any], origin: str) -> dict[str, Any]:
             out["pods"] = tuple(
                 PodSpec.parse(v) if isinstance(v, str) else PodSpec(**v) for v in value
             )
+        elif key == "tokenizers":
+            items = value.items() if isinstance(value, dict) else (
+                parse_tokenizer(v) if isinstance(v, str) else v for v in value)
+            out["tokenizers"] = tuple((str(m), str(p)) for m, p in items)
         elif key in known:
             out[key] = value
         else:
@@ -151,6 +170,9 @@ def load_settings(
     if env.get("KVEVENTS_ENDPOINTS"):
         specs = re.split(r"[;\s]+", env["KVEVENTS_ENDPOINTS"].strip())
         values["pods"] = tuple(PodSpec.parse(s) for s in specs if s)
+    if env.get("KVEVENTS_TOKENIZERS"):
+        specs = re.split(r"[;\n]+", env["KVEVENTS_TOKENIZERS"].strip())
+        values["tokenizers"] = tuple(parse_tokenizer(s) for s in specs if s.strip())
     for key, value in overrides.items():
         if value is not None:
             values[key] = value

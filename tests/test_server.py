@@ -203,5 +203,7 @@ def test_openapi_documents_the_api(fleet):
     for path in ("/v1/pods", "/v1/lookup", "/v1/blocks/{hash}", "/v1/prefixes", "/v1/events",
                  "/healthz", "/metrics"):
         assert path in spec["paths"], path
-    body = spec["paths"]["/v1/lookup"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert "token_ids" in body["properties"] and body["required"] == ["token_ids"]
+    ref = spec["paths"]["/v1/lookup"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = spec["components"]["schemas"][ref["$ref"].rsplit("/", 1)[1]]
+    # Exactly one of token_ids, prompt, messages: none is required on its own.
+    assert {"token_ids", "prompt", "messages"} <= set(body["properties"])

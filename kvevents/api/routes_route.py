@@ -7,12 +7,14 @@ import dataclasses
 from fastapi import APIRouter, Depends, Response
 
 from kvevents.aggregator import Aggregator
-from kvevents.api.body import RouteBody, decode_route
+from kvevents.api.body import RouteBody, body_doc, decode_route
 from kvevents.api.errors import ApiError
-from kvevents.api.models import ERRORS, RouteRequest, RouteResponse
+from kvevents.api.models import ERRORS, RouteResponse
+from kvevents.api.prompt import get_tokenizers, prompt_token_ids
 from kvevents.api.routes_pods import get_aggregator
-from kvevents.api.routes_query import body_doc, check_prompt, json_response
+from kvevents.api.routes_query import json_response
 from kvevents.router import Candidate, EngineLoad
+from kvevents.text import TokenizerRegistry
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 
@@ -42,15 +44,16 @@ def candidates_of(body: RouteBody, agg: Aggregator) -> list[Candidate]:
 
 
 @router.post("/route", response_model=RouteResponse, responses=ERRORS,
-             openapi_extra=body_doc(RouteRequest),
+             openapi_extra=body_doc(RouteBody),
              summary="Choose the engine for a prompt: longest cached prefix per tier vs load")
 async def route(body: RouteBody = Depends(decode_route),
-                agg: Aggregator = Depends(get_aggregator)) -> Response:
-    check_prompt(body.token_ids, agg)
+                agg: Aggregator = Depends(get_aggregator),
+                tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
+    token_ids = prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
     candidates = candidates_of(body, agg)
-    lookup = agg.lookup(body.token_ids, model=body.model, lora_name=body.lora_name,
+    lookup = agg.lookup(token_ids, model=body.model, lora_name=body.lora_name,
                         endpoint="route")
-    decision = agg.router.choose(body.token_ids, lookup, candidates)
+    decision = agg.router.choose(token_ids, lookup, candidates)
     return json_response({
         "pod": decision.pod, "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,
         "scores": [dataclasses.asdict(s) for s in decision.scores], "reason": decision.reason,
