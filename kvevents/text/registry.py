@@ -29,6 +29,10 @@ class TokenizerRegistry:
              ) -> TokenizerRegistry:
         """Load ``(model, directory)`` pairs. Raises :class:`TokenizerLoadError`."""
         specs = list(specs)
+        for model, directory in specs:
+            if not Path(directory).is_dir():
+                raise TokenizerLoadError(
+                    f"tokenizer for model {model!r}: {directory} is not a directory")
         if specs:
             try:
                 import jinja2  # noqa: F401
@@ -39,9 +43,6 @@ class TokenizerRegistry:
                     "pip install 'kvevents[text]'") from None
         loaded = []
         for model, directory in specs:
-            if not Path(directory).is_dir():
-                raise TokenizerLoadError(
-                    f"tokenizer for model {model!r}: {directory} is not a directory")
             try:
                 loaded.append(TextTokenizer(model, directory, cache_tokens))
             except (ValueError, OSError) as exc:
