@@ -165,7 +165,7 @@ class Aggregator:
     ) -> LookupResult:
         t0 = time.perf_counter()
         result = self.index.lookup(token_ids, model=model, lora_name=lora_name)
-        self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result)
+        self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result, model)
         return result
 
     # -- ingest (subscriber thread) -----------------------------------------------------
