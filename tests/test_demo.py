@@ -24,8 +24,10 @@ from support import PrometheusServer, free_port, require_binary, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboard/grafana/dashboards/kvevents.json"
 ARTIFACTS = ROOT / "artifacts"
-_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
-_METRIC = re.compile(r"\bkvevents_[a-z0-9_]+\b")
+# Grafana's variables as Grafana substitutes them with "All" selected.
+_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m",
+         "$model": ".*", "$engine": ".*", "$instance": ".*"}
+_METRIC = re.compile(r"\b(?:kvevents_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -84,7 +86,7 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
         def scraped() -> bool:
             up = prom.query("up")
             return len(up) == 3 and all(r["value"][1] == "1" for r in up) and bool(
-                prom.query('kvevents_engine_hit_tokens_total{tier="GPU"} > 0'))
+                prom.query('vllm:prompt_tokens_by_source_total{source="local_cache_hit"} > 0'))
 
         assert wait_until(scraped, 60, 0.5), prom.query("up")
         queries = panel_queries()

@@ -19,6 +19,8 @@ import random
 import re
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
@@ -113,8 +115,10 @@ def test_aggregator_metrics_are_clean_safe_and_pruned():
     pub.shutdown(0.5)
 
 
-def _engine_exposition() -> str:
-    """A real simulated engine with a CPU tier serves requests that hit both tiers."""
+@contextmanager
+def simulated_engine() -> Iterator[CollectorRegistry]:
+    """A real simulated engine with a CPU tier, after serving 7 requests that hit both
+    tiers; yields its metrics registry (live until the context exits)."""
     from connector import OffloadConfig
     from connector.engine import EngineConfig, PagedEngine
     from connector.engine.metrics import CountingPublisher, EngineMetrics
@@ -139,13 +143,18 @@ def _engine_exposition() -> str:
         eng.add_request("b", shared + [rng.randrange(32000) for _ in range(90)], 3)
         for r in eng.run_until_idle():
             metrics.observe(r)
-        return generate_latest(registry).decode()
+        yield registry
     finally:
         eng.shutdown()
 
 
+def engine_exposition() -> str:
+    with simulated_engine() as registry:
+        return generate_latest(registry).decode()
+
+
 def test_simulated_engine_exports_vllm_names_and_clean_metrics():
-    text = _engine_exposition()
+    text = engine_exposition()
     promtool_check(text, waive_vllm_colons=True)
     fams = families(text)
     for name, (kind, extra) in VLLM_METRICS.items():
@@ -178,3 +187,21 @@ def test_simulated_engine_exports_vllm_names_and_clean_metrics():
     ttft_count = [s.value for s in fams["vllm:time_to_first_token_seconds"].samples
                   if s.name.endswith("_count")]
     assert ttft_count == [7.0]
+
+
+def test_engine_metrics_keep_vllm_names_when_prometheus_asks_for_openmetrics():
+    from connector.engine.metrics import serve_metrics
+
+    with simulated_engine() as registry:
+        port = free_port()
+        httpd = serve_metrics(port, "127.0.0.1", registry)
+        try:
+            # The Accept header Prometheus sends.
+            accept = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                      "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+            r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept}, timeout=5)
+        finally:
+            httpd.shutdown()
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert 'vllm:prompt_tokens_total{engine="engine-0",model_name="llama"}' in r.text
+    assert "vllm_prompt_tokens" not in r.text

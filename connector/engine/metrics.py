@@ -31,14 +31,23 @@ kvevents_sim_published_batches_total /         KV event batches published / drop
 =============================================  =============================================
 
 Times are the simulation's; tokens are real counts of the requests served.
+
+Serve them with :func:`serve_metrics`, not ``prometheus_client.start_http_server``:
+asked for OpenMetrics (as Prometheus asks), prometheus_client 0.2x rewrites the ``:``
+of ``vllm:*`` sample names to ``_``, and the dashboard's vLLM queries would find
+nothing. :func:`serve_metrics` always answers the classic text format, which keeps
+the names.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -210,3 +219,27 @@ class _EngineState(Collector):
         drop.add_metric(lv, ps.dropped)
         yield pub
         yield drop
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # one line per scrape would drown the engine's log
+
+
+def serve_metrics(port: int, addr: str, registry: CollectorRegistry) -> WSGIServer:
+    """Serve ``registry`` at ``http://addr:port/metrics`` in the classic text format
+    (whatever the client accepts) from a daemon thread; ``shutdown()`` stops it.
+    Raises ``OSError`` when the port is taken."""
+    app = make_wsgi_app(registry)
+
+    def text_format(environ: dict, start_response: Any) -> Any:
+        environ = {k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}
+        return app(environ, start_response)
+
+    httpd = make_server(addr, port, text_format, _ThreadingServer, handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name="engine-metrics", daemon=True).start()
+    return httpd
