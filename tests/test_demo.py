@@ -14,8 +14,10 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from browser import READ_PAGE, Browser
@@ -89,14 +91,23 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
                 prom.query('vllm:prompt_tokens_by_source_total{source="local_cache_hit"} > 0'))
 
         assert wait_until(scraped, 60, 0.5), prom.query("up")
+        # Every query is evaluated at this instant, while the fleet runs: the demo may
+        # end (and its series go stale) while the queries are still being asked.
+        at = time.time()
+
+        def query_at(promql: str) -> list:
+            r = httpx.get(f"{prom.url}/api/v1/query", params={"query": promql, "time": at}, timeout=10)
+            body = r.json()
+            assert body.get("status") == "success", (promql, body)  # Prometheus's error if invalid
+            return body["data"]["result"]
+
         queries = panel_queries()
         assert len(queries) > 20
-        missing = set()
+        names = set()
         for title, expr in queries:
-            prom.query(expr)  # raises with Prometheus's error if the query is invalid
-            for name in _METRIC.findall(expr):
-                if not prom.query(f'{{__name__=~"{name}.*"}}'):
-                    missing.add(name)
+            query_at(expr)
+            names.update(_METRIC.findall(expr))
+        missing = {name for name in names if not query_at(f'{{__name__="{name}"}}')}
         assert not missing, f"panel metrics with no data from the demo: {sorted(missing)}"
         out, _ = demo.communicate(timeout=180)
     finally:
