@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -132,12 +133,13 @@ def main() -> None:
         chat_rows.append([turn, int(median(lengths[turn])), f"{median(render[turn])*us:,.0f}",
                           f"{median(uncached[turn])*us:,.0f}", f"{median(cached[turn])*us:,.0f}",
                           f"{median(uncached[turn]) / median(cached[turn]):.1f}x"])
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print("2k-token prompts (us per call)")
     print_table(["case", "tokens", "p50 us", "p99 us"], rows)
     print("\ngrowing conversations (us per lookup, median over conversations)")
     print_table(["turn", "tokens", "render", "uncached", "cached", "saved"], chat_rows)
     write_json(args.out, {
-        "machine": machine(), "command": " ".join(sys.argv),
+        "machine": machine(), "load_average": os.getloadavg(), "command": " ".join(sys.argv),
         "prompt_2k_us": {"tokens": n_tokens,
                          "floor_p50": median(floor) * us, "floor_p99": percentile(floor, 99) * us,
                          "new_p50": median(new) * us, "new_p99": percentile(new, 99) * us,

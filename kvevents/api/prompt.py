@@ -8,6 +8,7 @@ naming the field; nothing is looked up or counted before the ids are known.
 from __future__ import annotations
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from kvevents.api.body import LookupBody
 from kvevents.api.errors import ApiError
@@ -20,8 +21,13 @@ def get_tokenizers(request: Request) -> TokenizerRegistry:
     return request.app.state.tokenizers
 
 
-def prompt_token_ids(body: LookupBody, tokenizers: TokenizerRegistry, limit: int) -> list[int]:
-    """The body's prompt as token ids (at most ``limit``). Raises :class:`ApiError`."""
+async def prompt_token_ids(body: LookupBody, tokenizers: TokenizerRegistry, limit: int
+                           ) -> list[int]:
+    """The body's prompt as token ids (at most ``limit``). Raises :class:`ApiError`.
+
+    Text is tokenized on the thread pool: a few thousand new tokens cost milliseconds
+    (benchmarks P9), which would stall every other request on the event loop; the
+    ``tokenizers`` library releases the GIL while it encodes."""
     given = [name for name in _INPUTS if getattr(body, name) is not None]
     if not given:
         raise ApiError(422, "one of token_ids, prompt or messages is required", "token_ids")
@@ -41,10 +47,10 @@ def prompt_token_ids(body: LookupBody, tokenizers: TokenizerRegistry, limit: int
             raise ApiError(422, f"no tokenizer for model {body.model!r} (tokenizers: {known}; "
                                 f"add one with serve --tokenizer MODEL=PATH)", "model")
         if field == "prompt":
-            ids = tok.encode_prompt(body.prompt)  # type: ignore[arg-type]
+            ids = await run_in_threadpool(tok.encode_prompt, body.prompt)  # type: ignore[arg-type]
         else:
             try:
-                ids = tok.encode_chat(body.messages)  # type: ignore[arg-type]
+                ids = await run_in_threadpool(tok.encode_chat, body.messages)  # type: ignore[arg-type]
             except ChatTemplateError as exc:
                 raise ApiError(422, f"messages: {exc}", "messages") from None
     if len(ids) > limit:  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ def lookup_payload(result: LookupResult) -> dict:
 async def lookup(body: LookupBody = Depends(decode_lookup),
                  agg: Aggregator = Depends(get_aggregator),
                  tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
-    token_ids = prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
+    token_ids = await prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
     result = agg.lookup(token_ids, model=body.model, lora_name=body.lora_name)
     return json_response(lookup_payload(result))
 

@@ -49,7 +49,7 @@ def candidates_of(body: RouteBody, agg: Aggregator) -> list[Candidate]:
 async def route(body: RouteBody = Depends(decode_route),
                 agg: Aggregator = Depends(get_aggregator),
                 tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
-    token_ids = prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
+    token_ids = await prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
     candidates = candidates_of(body, agg)
     lookup = agg.lookup(token_ids, model=body.model, lora_name=body.lora_name,
                         endpoint="route")
