@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from support import ServerThread, free_port, wait_until
 from text_tokenizer import build_bytelevel, build_metaspace, require_transformers
@@ -64,6 +65,12 @@ def post(srv, path, body):
     return httpx.post(f"{srv.url}{path}", json=body, timeout=10)
 
 
+def lookups_counted(srv) -> float:
+    text = httpx.get(f"{srv.url}/metrics").text
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "kvevents_lookups"
+               for s in fam.samples if s.name == "kvevents_lookups_total")
+
+
 def test_lookup_by_messages_prompt_and_ids_agree(fleet):
     srv, ids, auto = fleet
     cached = len(ids) // BS * BS
@@ -99,11 +106,11 @@ def test_lookup_by_messages_prompt_and_ids_agree(fleet):
 @pytest.mark.parametrize("path", ["/v1/lookup", "/v1/route"])
 def test_bad_text_bodies_name_the_field(fleet, path, body, status, field):
     srv, _, _ = fleet
-    before = httpx.get(f"{srv.url}/metrics").text.count("\n")
+    before = lookups_counted(srv)
     r = post(srv, path, body)
     assert r.status_code == status, r.text
     assert r.json()["field"] == field, r.text
-    assert before == httpx.get(f"{srv.url}/metrics").text.count("\n")  # nothing counted
+    assert lookups_counted(srv) == before  # refused before any lookup: nothing counted
 
 
 def test_prompt_over_the_limit_is_413_on_its_field(tokdirs):
@@ -144,6 +151,8 @@ def test_tokenizer_settings_from_flag_env_and_file(tmp_path, tokdirs):
     assert load_settings(None, env=env, tokenizers=(("x", "/y"),)).tokenizers == (("x", "/y"),)
     with pytest.raises(ValueError, match="MODEL=PATH"):
         load_settings(None, env={"KVEVENTS_TOKENIZERS": "no-equals-sign"})
+    with pytest.raises(ValueError, match="given more than once"):
+        create_app(AggregatorSettings(tokenizers=(("m", str(chat_dir)), ("m", str(plain_dir)))))
 
 
 def test_serve_with_a_bad_tokenizer_path_fails_in_one_line(tmp_path):

@@ -8,7 +8,7 @@ documented here but encoded straight from the index's msgspec results.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -29,6 +29,10 @@ class TokenizerRegistry:
              ) -> TokenizerRegistry:
         """Load ``(model, directory)`` pairs. Raises :class:`TokenizerLoadError`."""
         specs = list(specs)
+        models = [model for model, _ in specs]
+        for model in models:
+            if models.count(model) > 1:
+                raise TokenizerLoadError(f"tokenizer for model {model!r} given more than once")
         for model, directory in specs:
             if not Path(directory).is_dir():
                 raise TokenizerLoadError(
