@@ -8,9 +8,11 @@ next scrape. Only what has no state elsewhere (latency and lag distributions, lo
 totals) is observed as it happens; a removed engine's lag series is removed with it.
 
 Labels: ``engine`` is the followed engine's name (the name given to ``serve
---endpoint`` / ``POST /v1/pods``). No metric carries a ``pod`` label, which Kubernetes
-service discovery attaches to every scraped series itself (a clash would rename ours
-``exported_pod``). ``model_name`` is the engine's model as configured ("" when
+--endpoint`` / ``POST /v1/pods``). No metric uses a label that Kubernetes service
+discovery or the Prometheus operator attach to scraped series themselves (``pod``,
+``namespace``, ``service``, ``container``, ``endpoint``, ``instance``, ``job``): a clash
+would rename ours ``exported_*``. Hence ``api`` (lookup | route), not ``endpoint``, on
+the lookup metrics. ``model_name`` is the engine's model as configured ("" when
 unset), as vLLM labels its own metrics; on lookup metrics it is the lookup's model
 when some followed engine serves it, else "" (no label values from request input).
 
@@ -34,11 +36,11 @@ kvevents_engine_lag_seconds                 now minus the last batch's timestamp
 kvevents_index_entries                      resident (engine, tier, block) entries
 kvevents_index_distinct_blocks              distinct content blocks
 kvevents_event_lag_seconds                  histogram: apply time minus batch ts {engine, ...}
-kvevents_lookups_total                      lookups served {endpoint, model_name}
-kvevents_lookup_latency_seconds             histogram: index lookup time {endpoint, model_name}
-kvevents_lookup_prompt_tokens_total         prompt tokens looked up {endpoint, model_name}
-kvevents_lookup_matched_tokens_total        best engine's matched tokens {endpoint, model_name}
-kvevents_lookup_tier_tokens_total           best engine's leading run per tier {endpoint, ..., tier}
+kvevents_lookups_total                      lookups served {api, model_name}
+kvevents_lookup_latency_seconds             histogram: index lookup time {api, model_name}
+kvevents_lookup_prompt_tokens_total         prompt tokens looked up {api, model_name}
+kvevents_lookup_matched_tokens_total        best engine's matched tokens {api, model_name}
+kvevents_lookup_tier_tokens_total           best engine's leading run per tier {api, ..., tier}
 ==========================================  ==============================================
 """
 
@@ -76,7 +78,7 @@ class AggregatorMetrics:
             "kvevents_event_lag_seconds", "Time from a batch's timestamp to its application",
             ENGINE_LABELS, buckets=_LAG_BUCKETS, registry=registry,
         )
-        lookup_labels = ["endpoint", "model_name"]
+        lookup_labels = ["api", "model_name"]
         self.lookups = Counter("kvevents_lookups", "Lookups served", lookup_labels,
                                registry=registry)
         self.lookup_latency = Histogram(
@@ -127,9 +129,9 @@ class AggregatorMetrics:
             entry = self._lag_children[engine] = (labels, self.event_lag.labels(*labels))
         entry[1].observe(max(0.0, time.time() - batch_ts))  # type: ignore[attr-defined]
 
-    def observe_lookup(self, endpoint: str, seconds: float, result: LookupResult,
+    def observe_lookup(self, api: str, seconds: float, result: LookupResult,
                        model: str | None = None) -> None:
-        labels = (endpoint, self._lookup_model(model))
+        labels = (api, self._lookup_model(model))
         self.lookups.labels(*labels).inc()
         self.lookup_latency.labels(*labels).observe(seconds)
         self.prompt_tokens.labels(*labels).inc(result.prompt_tokens)

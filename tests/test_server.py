@@ -116,7 +116,7 @@ def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
     assert 'kvevents_resident_blocks{engine="a",model_name="m",tier="CPU"} 2.0' in text
     assert 'kvevents_replayed_batches_total{engine="a",model_name="m"}' in text
     assert 'kvevents_unknown_removals_total{engine="b",model_name="m"} 1.0' in text
-    assert 'kvevents_lookups_total{endpoint="lookup",model_name=""} 4.0' in text
+    assert 'kvevents_lookups_total{api="lookup",model_name=""} 4.0' in text
 
     # A cleared cache and a publisher restart drop state.
     b.send(AllBlocksCleared())

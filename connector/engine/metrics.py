@@ -110,38 +110,36 @@ class EngineMetrics:
         def counter(metric: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(metric, doc, [*LABELS, *extra], registry=registry)
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed."
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests"
                                      ).labels(*lv)
         self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed.").labels(*lv)
-        by_source = counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                         "Tokens generated").labels(*lv)
+        by_source = counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from",
                             ("source",))
         self.computed = by_source.labels(*lv, "local_compute")
         self.local_hit = by_source.labels(*lv, "local_cache_hit")
         self.external_hit = by_source.labels(*lv, "external_kv_transfer")
         self.cached = counter("vllm:prompt_tokens_cached",
-                              "Number of cached prompt tokens (local + external).").labels(*lv)
+                              "Prompt tokens served from the GPU cache or the CPU tier").labels(*lv)
         self.pc_queries = counter("vllm:prefix_cache_queries",
-                                  "Prefix cache queries, in terms of number of queried tokens."
+                                  "Prompt tokens looked up in the GPU prefix cache"
                                   ).labels(*lv)
         self.pc_hits = counter("vllm:prefix_cache_hits",
-                               "Prefix cache hits, in terms of number of cached tokens.").labels(*lv)
+                               "Prompt tokens found in the GPU prefix cache").labels(*lv)
         self.ext_queries = counter(
             "vllm:external_prefix_cache_queries",
-            "External prefix cache queries from KV connector, in terms of number of queried "
-            "tokens.").labels(*lv)
+            "Prompt tokens looked up in the CPU tier (the KV connector)").labels(*lv)
         self.ext_hits = counter(
             "vllm:external_prefix_cache_hits",
-            "External prefix cache hits from KV connector, in terms of number of cached "
-            "tokens.").labels(*lv)
+            "Prompt tokens loaded from the CPU tier (the KV connector)").labels(*lv)
         # The simulated engine finishes a request when it reaches its output length.
-        self.success = counter("vllm:request_success", "Count of successfully processed requests.",
+        self.success = counter("vllm:request_success", "Requests finished",
                                ("finished_reason",)).labels(*lv, "length")
         self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", LABELS,
+                              "Simulated time from arrival to the first token", LABELS,
                               buckets=_TTFT_BUCKETS, registry=registry).labels(*lv)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", LABELS,
+                             "Simulated time from arrival to the last token", LABELS,
                              buckets=_E2E_BUCKETS, registry=registry).labels(*lv)
         registry.register(_EngineState(lv, engine, publisher))
 
@@ -180,11 +178,11 @@ class _EngineState(Collector):
         e, lv = self._engine, self._lv
         load = e.load()
         yield self._gauge("vllm:num_requests_running",
-                          "Number of requests in model execution batches.", load["running"])
+                          "Requests being executed", load["running"])
         yield self._gauge("vllm:num_requests_waiting",
-                          "Number of requests waiting to be processed.", load["waiting"])
+                          "Requests queued or loading KV from the CPU tier", load["waiting"])
         yield self._gauge("vllm:kv_cache_usage_perc",
-                          "KV-cache usage. 1 means 100 percent usage.", load["kv_usage"])
+                          "Fraction of GPU KV blocks in use (1 = full)", load["kv_usage"])
 
         off = e.offload_stats()
         nbytes = CounterMetricFamily("kvevents_sim_offload_bytes", "Bytes moved between tiers",
