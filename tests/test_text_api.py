@@ -13,6 +13,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from support import ServerThread, free_port, wait_until
@@ -161,3 +163,35 @@ def test_serve_with_a_bad_tokenizer_path_fails_in_one_line(tmp_path):
                         "--tokenizer", f"m={missing}"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and f"model 'm': {missing} is not a directory" in r.stderr
+
+
+# Arbitrary JSON values, and message lists built from roles, content shapes and junk.
+_json = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.text(max_size=12)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4),
+                            st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+_content = st.one_of(st.text(max_size=40), st.none(), _json,
+                     st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
+                                                     "text": st.text(max_size=20)}), max_size=3))
+_message = st.one_of(_json, st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot", ""])},
+    optional={"content": _content, "name": _json, "tool_calls": _json, "tool_call_id": _json}))
+_bodies = st.fixed_dictionaries({}, optional={
+    "messages": st.one_of(st.lists(_message, max_size=4), _json),
+    "prompt": st.one_of(st.text(max_size=60), _json),
+    "token_ids": st.one_of(st.lists(st.integers(0, 1000), max_size=8), _json),
+    "model": st.sampled_from(["m", "plain", "nope", None]),
+})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_bodies)
+def test_any_text_body_gets_a_json_answer_never_a_5xx(fleet, body):
+    srv, _, _ = fleet
+    for path in ("/v1/lookup", "/v1/route"):
+        r = post(srv, path, body)
+        assert r.status_code in (200, 413, 422), (body, r.text)
+        if r.status_code != 200:
+            assert r.json()["error"] and "field" in r.json(), r.text
