@@ -97,8 +97,8 @@ class SegmentEncoder:
             for (_, ids), i in zip(fresh, missing):
                 found[i] = ids
             self._remember(fresh)
-        if len(found) == 1:
-            return found[0]  # type: ignore[return-value]
+        if len(found) == 1:  # a copy: the cached array must not be changed by callers
+            return array("q", found[0])  # type: ignore[arg-type]
         out = array("q")
         for ids in found:
             out.extend(ids)  # type: ignore[arg-type]

@@ -10,6 +10,12 @@ the config's template, as in ``transformers``).
   add_generation_prompt=True, tokenize=True)``: the rendered template's ids, nothing
   added (the template writes its own special tokens).
 
+Checked against ``transformers`` 5.x loading the directory as its generic fast
+tokenizer (the post-processor in ``tokenizer.json`` decides BOS/EOS). Not replicated: a
+tokenizer class that rewrites the post-processor from ``add_bos_token`` /
+``add_eos_token`` in the config at load time; for such a model, export its
+``tokenizer.json`` with the post-processor it uses.
+
 Lifecycle: built once at startup by the registry, then read-only apart from its
 piece cache (thread-safe). Construction raises ``ValueError`` with the file at fault.
 """
