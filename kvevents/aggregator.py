@@ -368,7 +368,7 @@ class Aggregator:
         t0 = time.perf_counter()
         result = self.index.lookup(token_ids, model=model, lora_name=lora_name,
                                    blocking=blocking)
-        self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result)
+        self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result, model)
         return result
 
     # -- ingest (subscriber thread) -----------------------------------------------------

@@ -107,6 +107,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bootstrap-from", default=None, metavar="http://HOST:PORT",
                    help="load a peer aggregator's snapshot on start, then follow the publishers "
                         "(default: {default})")
+    p.add_argument("--tokenizer", action="append", default=None, metavar="MODEL=PATH",
+                   help="tokenizer directory (Hugging Face layout) for lookups by prompt text "
+                        "or chat messages of MODEL (repeatable; env KVEVENTS_TOKENIZERS; "
+                        "default: none)")
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="HTTP server log level (default: {default})")
@@ -155,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
             auth_token=args.auth_token, stale_after_s=args.stale_after_s, log_level=args.log_level,
             down_after_s=args.down_after_s, data_dir=args.data_dir,
             snapshot_interval_s=args.snapshot_interval_s, bootstrap_from=args.bootstrap_from,
+            tokenizers=args.tokenizer,
         )
     except SettingsError as exc:
         return fail("kvevents serve", exc.lines)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 
 import uvicorn
 
 from kvevents.api import create_app
 from kvevents.settings import AggregatorSettings
+from kvevents.text import TokenizerLoadError
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def run_server(settings: AggregatorSettings) -> int:
     """Serve until SIGINT/SIGTERM; the app's lifespan starts and stops the aggregator."""
+    try:
+        app = create_app(settings)
+    except TokenizerLoadError as exc:  # one line naming the model and file, no traceback
+        print(f"kvevents serve: error: {exc}", file=sys.stderr)
+        return 2
     sock = bind_socket(settings.host, settings.port)
-    app = create_app(settings)
     for pod in settings.pods:
         log.info("following %s at %s%s", pod.name, pod.endpoint,
                  f" (replay {pod.replay_endpoint})" if pod.replay_endpoint else "")

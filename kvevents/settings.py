@@ -5,6 +5,11 @@ variables ``KVEVENTS_<FIELD>`` (e.g. ``KVEVENTS_PORT``) > a config file (JSON, o
 when the name ends in ``.toml``; ``--config`` or ``KVEVENTS_CONFIG``) > the defaults
 below. Keys in a config file are the field names; unknown keys are errors.
 
+A tokenizer (for lookups by prompt text or chat) is written ``MODEL=PATH``, PATH a local
+Hugging Face tokenizer directory; ``KVEVENTS_TOKENIZERS`` separates them with ``;``,
+the config file's ``tokenizers`` is a table ``{MODEL = "PATH"}`` or a list of
+``"MODEL=PATH"``.
+
 A pod (one publisher to follow) is written ``NAME=ENDPOINT[,replay=ENDPOINT][,model=M]
 [,topic=T][,bind=1]``, e.g. ``vllm-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558``,
 or in a config file as a table with :class:`PodSpec`'s field names. In the environment,
@@ -135,6 +140,13 @@ class PodSpec:
                 raise ValueError(f"key {key!r} must be a {want.__name__}, got {value!r}")
         return cls(**table)
 
+def parse_tokenizer(text: str) -> tuple[str, str]:
+    """Parse ``MODEL=PATH`` (a tokenizer directory for the model's prompts)."""
+    model, sep, path = text.partition("=")
+    if not sep or not model.strip() or not path.strip():
+        raise ValueError(f"expected MODEL=PATH (a tokenizer directory), got {text!r}")
+    return model.strip(), path.strip()
+
 
 class SettingsError(ValueError):
     """Bad settings: ``lines`` has one human-readable line per problem."""
@@ -252,6 +264,10 @@ class AggregatorSettings(BaseSettings):
     bootstrap_from: str | None = Field(
         None, pattern=r"^https?://", description="a peer aggregator (http://HOST:PORT) whose "
                                                  "snapshot a fresh replica loads first")
+    tokenizers: tuple[tuple[str, str], ...] = Field(
+        (), description="(model, tokenizer directory) pairs for lookups by prompt text or "
+                        "chat: MODEL=PATH, ';'-separated in the environment, a table "
+                        "{MODEL = \"PATH\"} or a list in the config file")
     # Ingest robustness: replay deadline per gap (no progress this long: the gap is lost
     # and the pod resyncs), the believable seq jump, byte bound of the live messages held
     # back during a replay, ZeroMQ receive queue per pod (messages), pods allowed (None:
@@ -267,6 +283,31 @@ class AggregatorSettings(BaseSettings):
                                                          "file budget decides)")
     ingest_stuck_after_s: float = Field(10.0, gt=0, description="heartbeat age at which "
                                                                 "/healthz reports ingest stuck")
+
+    @field_validator("tokenizers", mode="before")
+    @classmethod
+    def _parse_tokenizers(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the environment: MODEL=PATH;MODEL=PATH
+            value = [t for t in value.split(";") if t.strip()]
+        if isinstance(value, Mapping):  # a config-file table {MODEL = "PATH"}
+            value = list(value.items())
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("expected MODEL=PATH entries")
+        out = []
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                try:
+                    out.append(parse_tokenizer(item))
+                except ValueError as exc:
+                    raise ValueError(f"entry {i}: {exc}") from None
+            elif isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(x, str) for x in item):
+                out.append((item[0], item[1]))
+            else:
+                raise ValueError(f"entry {i}: expected 'MODEL=PATH', got {item!r}")
+        models = [m for m, _ in out]
+        if len(models) != len(set(models)):
+            raise ValueError(f"a model has two tokenizers: {models}")
+        return tuple(out)
 
     @field_validator("pods", mode="before")
     @classmethod

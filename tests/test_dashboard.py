@@ -1,13 +1,15 @@
-"""The Grafana dashboard's queries name real metrics and run on a real Prometheus.
+"""The Grafana dashboard: importable, templated, and every panel's query runs on a real
+Prometheus scraping a real aggregator and a real simulated engine, and returns data.
 
-* Aggregator metrics: a real aggregator follows a real publisher and serves lookups;
-  every ``kvevents_*`` name a panel uses must be in its ``/metrics`` output, and every
-  panel query must return data from a real Prometheus scraping it.
-* Engine metrics (``kvevents_engine_*``): checked against :data:`ENGINE_METRICS`, the
-  names the engine process exports, through :func:`engine_sample_names` (the one place
-  to switch to a scrape of a real engine process), and their queries must at least parse
-  and run on Prometheus (a query over an absent metric answers an empty result, not an
-  error).
+* Structure: ``__inputs``/``__requires`` for import; variables for the datasource, the
+  model (``model_name``), the aggregator's engines and the engines' endpoints; every
+  rate uses ``$__rate_interval``; every per-engine selector honours ``$model``.
+* Names: every metric a panel uses is in the ``/metrics`` of the aggregator or of a
+  simulated engine (which exports vLLM's names: the same panels serve a vLLM fleet),
+  and every metric those export has a panel.
+* Queries: Grafana's variables substituted as Grafana would with "All" selected
+  (``$model`` -> ``.*``, ``$__rate_interval`` -> ``1m``), each panel query and each
+  variable's query returns series from a real Prometheus.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from support import PrometheusServer, ServerThread, free_port, require_binary, wait_until
+from test_metrics import engine_exposition, simulated_engine
+from kvevents.sim.metrics import serve_metrics
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
@@ -29,47 +33,27 @@ from kvevents.settings import AggregatorSettings, PodSpec
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboard/grafana/dashboards/kvevents.json"
 
-# Family name -> type, as the engine process (kvevents/sim/metrics.py) exports them.
-ENGINE_METRICS = {
-    "kvevents_engine_requests": "counter",
-    "kvevents_engine_prompt_tokens": "counter",
-    "kvevents_engine_hit_tokens": "counter",
-    "kvevents_engine_computed_prefill_tokens": "counter",
-    "kvevents_engine_offload_bytes": "counter",
-    "kvevents_engine_offload_seconds": "counter",
-    "kvevents_engine_cpu_pool_used_blocks": "gauge",
-    "kvevents_engine_cpu_pool_capacity_blocks": "gauge",
-    "kvevents_engine_gpu_blocks_used": "gauge",
-    "kvevents_engine_gpu_blocks_total": "gauge",
-    "kvevents_engine_evictions": "counter",
-    "kvevents_engine_published_batches": "counter",
-    "kvevents_engine_publish_dropped": "counter",
-    "kvevents_engine_waiting_requests": "gauge",
-    "kvevents_engine_running_requests": "gauge",
-    "kvevents_engine_kv_usage_ratio": "gauge",
-    "kvevents_engine_ttft_seconds": "histogram",
-}
-_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-
-# Grafana's own variables, as Grafana would substitute them before sending a query.
-_GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
-_METRIC = re.compile(r"\bkvevents_[a-z0-9_]+\b")
+# Grafana's variables as Grafana substitutes them with "All" selected.
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m",
+                "$model": ".*", "$engine": ".*", "$instance": ".*"}
+METRIC = re.compile(r"\b(?:kvevents_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+_ENGINE_SELECTORS = ("engine=~\"$engine\"", "instance=~\"$instance\"")
 
 
-def engine_sample_names() -> set[str]:
-    """Sample names the engine process exposes on its /metrics.
-
-    Built from :data:`ENGINE_METRICS`. To check against a running engine instead, start
-    ``python -m kvevents.sim.process --metrics-port PORT ...`` and return
-    ``scrape_sample_names(f"http://127.0.0.1:{PORT}/metrics")``.
-    """
-    return {family + suffix for family, kind in ENGINE_METRICS.items() for suffix in _SUFFIXES[kind]}
+def substitute(expr: str) -> str:
+    for var, value in GRAFANA_VARS.items():
+        expr = expr.replace(var, value)
+    return expr
 
 
-def scrape_sample_names(url: str) -> set[str]:
-    """Every sample name (with ``_total``/``_bucket``... suffixes) served at ``url``."""
-    text = httpx.get(url, timeout=5).text
+def sample_names(text: str) -> set[str]:
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def family_names(text: str) -> set[str]:
+    """Metric families, without the ``*_created`` timestamps prometheus_client adds."""
+    return {fam.name for fam in text_string_to_metric_families(text)
+            if not fam.name.endswith("_created")}
 
 
 def panels(dash: dict) -> list[dict]:
@@ -80,16 +64,17 @@ def panels(dash: dict) -> list[dict]:
     return out
 
 
+def raw_queries(dash: dict) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in panels(dash) for t in p.get("targets", [])]
+
+
 def queries(dash: dict) -> list[tuple[str, str]]:
     """(panel title, PromQL with Grafana variables substituted) for every target."""
     out = []
-    for p in panels(dash):
-        for t in p.get("targets", []):
-            expr = t["expr"]
-            for var, value in _GRAFANA_VARS.items():
-                expr = expr.replace(var, value)
-            assert "$" not in expr, f"{p['title']}: unsubstituted variable in {expr!r}"
-            out.append((p["title"], expr))
+    for title, expr in raw_queries(dash):
+        expr = substitute(expr)
+        assert "$" not in expr, f"{title}: unsubstituted variable in {expr!r}"
+        out.append((title, expr))
     return out
 
 
@@ -99,8 +84,17 @@ def dash() -> dict:
 
 
 def test_dashboard_structure(dash):
-    var = next(v for v in dash["templating"]["list"] if v["name"] == "datasource")
-    assert var["type"] == "datasource" and var["query"] == "prometheus"
+    assert {i["pluginId"] for i in dash["__inputs"]} == {"prometheus"}
+    assert {(r["type"], r["id"]) for r in dash["__requires"]} >= {
+        ("grafana", "grafana"), ("datasource", "prometheus"), ("panel", "timeseries"), ("panel", "stat")}
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for name in ("model", "engine", "instance"):
+        v = variables[name]
+        assert v["type"] == "query" and v["includeAll"] and v["allValue"] == ".*", name
+        assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, name
+    assert "model_name" in variables["model"]["query"]["query"]
+
     ids, cells = set(), set()
     for p in panels(dash):
         assert p["id"] not in ids, f"duplicate panel id {p['id']}"
@@ -121,26 +115,39 @@ def test_dashboard_structure(dash):
         refs = [t["refId"] for t in p["targets"]]
         assert len(refs) == len(set(refs)), p["title"]
     rows = [p["title"] for p in panels(dash) if p["type"] == "row"]
-    assert "Engines" in rows
+    assert "Engines (vLLM metrics)" in rows
+
+    for title, expr in raw_queries(dash):
+        windows = re.findall(r"\[([^\]]+)\]", expr)
+        # Rates follow Grafana's scrape-aware interval; only "last hour" stats are fixed.
+        assert all(w == "$__rate_interval" or (w == "1h" and "(1h)" in title) for w in windows), (title, expr)
+        for name in METRIC.findall(expr):
+            if name.startswith(("kvevents_index_",)):
+                continue  # whole-index gauges carry no model or engine
+            selector = re.search(re.escape(name) + r"\{([^}]*)\}", expr)
+            assert selector and 'model_name=~"$model"' in selector.group(1), (title, name)
+            if not name.startswith("kvevents_lookup"):
+                assert any(s in selector.group(1) for s in _ENGINE_SELECTORS), (title, name)
 
 
-def test_engine_panels_use_exported_engine_metrics(dash):
-    exported = engine_sample_names()
-    used = {m for _, q in queries(dash) for m in _METRIC.findall(q) if m.startswith("kvevents_engine_")}
-    assert used <= exported, f"not exported by the engine: {sorted(used - exported)}"
-    unused = [family for family, kind in ENGINE_METRICS.items()
-              if not any(family + suffix in used for suffix in _SUFFIXES[kind])]
+def test_panels_use_exported_metrics_and_every_metric_has_a_panel(dash):
+    engine_text = engine_exposition()
+    used = {m for _, q in queries(dash) for m in METRIC.findall(q)}
+    engine_used = {m for m in used if m.startswith(("vllm:", "kvevents_sim_"))}
+    assert engine_used <= sample_names(engine_text), sorted(engine_used - sample_names(engine_text))
+    unused = [fam for fam in family_names(engine_text)
+              if not any(m == fam or m.startswith(fam + "_") for m in engine_used)]
     assert not unused, f"engine metrics without a panel: {unused}"
 
 
-class _Engine:
+class _Publisher:
     def __init__(self) -> None:
         self.live, self.replay = free_port(), free_port()
         self.pub = ZmqEventPublisher(PublisherConfig(
             endpoint=f"tcp://*:{self.live}", replay_endpoint=f"tcp://*:{self.replay}"))
 
 
-def _exercise(srv: ServerThread, eng: _Engine, round_: int) -> None:
+def _exercise(srv: ServerThread, eng: _Publisher, round_: int) -> None:
     """Events of every kind the dashboard plots, then lookups that hit both tiers."""
     toks = list(range(64))
     eng.pub.publish(KVEventBatch(time.time(), [
@@ -152,35 +159,48 @@ def _exercise(srv: ServerThread, eng: _Engine, round_: int) -> None:
     ]))
     assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["last_seq"] == round_, 10)
     for _ in range(3):
-        r = httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": toks + [7] * 16}, timeout=5)
+        r = httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": toks + [7] * 16, "model": "llama"},
+                       timeout=5)
         assert r.json()["pods"][0]["tiers"] == {"GPU": 48}, r.text
 
 
-@pytest.mark.timeout(90)
-def test_panel_queries_name_real_metrics_and_run_on_prometheus(dash, tmp_path):
+def _variable_query(query: str) -> str:
+    """A ``label_values`` variable as a PromQL query whose series carry the label."""
+    m = re.fullmatch(r"label_values\((?:(?P<sel>.+),\s*)?(?P<label>\w+)\)", query)
+    assert m, query
+    sel = substitute(m.group("sel")) if m.group("sel") else f'{{{m.group("label")}!=""}}'
+    return f'count by ({m.group("label")}) ({sel})'
+
+
+@pytest.mark.timeout(120)
+def test_every_query_returns_data_from_prometheus(dash, tmp_path):
     binary = require_binary("prometheus")
-    eng = _Engine()
+    eng = _Publisher()
     settings = AggregatorSettings(pods=(PodSpec(
-        "engine-0", f"tcp://127.0.0.1:{eng.live}", replay_endpoint=f"tcp://127.0.0.1:{eng.replay}"),))
+        "engine-0", f"tcp://127.0.0.1:{eng.live}", replay_endpoint=f"tcp://127.0.0.1:{eng.replay}",
+        model="llama"),))
     all_queries = queries(dash)
-    with ServerThread(create_app(settings)) as srv:
-        prom = PrometheusServer(tmp_path, {"kvevents-aggregator": [f"127.0.0.1:{srv.port}"]}, binary)
+    with ServerThread(create_app(settings)) as srv, simulated_engine() as engine_registry:
+        engine_port = free_port()
+        httpd = serve_metrics(engine_port, "127.0.0.1", engine_registry)  # as the engine process does
+        prom = PrometheusServer(tmp_path, {"kvevents-aggregator": [f"127.0.0.1:{srv.port}"],
+                                           "engines": [f"127.0.0.1:{engine_port}"]}, binary)
         try:
             assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["connected"], 10)
             time.sleep(0.3)  # the subscription is in place (a missed batch would be replayed anyway)
             _exercise(srv, eng, 0)
 
-            # (a) Every aggregator metric a panel names is in the aggregator's /metrics.
-            exported = scrape_sample_names(f"{srv.url}/metrics")
-            used = {m for _, q in all_queries for m in _METRIC.findall(q)
-                    if not m.startswith("kvevents_engine_")}
+            # Every aggregator metric a panel names is in the aggregator's /metrics.
+            exported = sample_names(httpx.get(f"{srv.url}/metrics").text)
+            used = {m for _, q in all_queries for m in METRIC.findall(q)
+                    if not m.startswith(("vllm:", "kvevents_sim_"))}
             assert used, "the dashboard has no aggregator panels"
             assert used <= exported, f"not exported by the aggregator: {sorted(used - exported)}"
 
-            # (b) Each query runs on Prometheus. Two scrapes around a second round of
-            # events and lookups give every rate() an increase to compute.
+            # Two scrapes around a second round of events and lookups give every rate()
+            # an increase to compute.
             prom.wait_ready()
-            assert wait_until(lambda: prom.query('up{job="kvevents-aggregator"}') != [], 20, 0.2)
+            assert wait_until(lambda: len(prom.query("up == 1")) == 2, 20, 0.2)
             first = time.time()
             _exercise(srv, eng, 1)
 
@@ -189,13 +209,16 @@ def test_panel_queries_name_real_metrics_and_run_on_prometheus(dash, tmp_path):
                 return bool(res) and float(res[0]["value"][1]) > first + 0.2
 
             assert wait_until(scraped_since_round_1, 20, 0.2)
+            assert wait_until(lambda: prom.query("count_over_time(vllm:prompt_tokens_total[1m]) >= 2"), 20, 0.2)
             for title, q in all_queries:
-                result = prom.query(q)  # raises with Prometheus's message if it fails
-                if not any(m.startswith("kvevents_engine_") for m in _METRIC.findall(q)):
-                    assert result, f"{title}: {q!r} returned no series from a live aggregator"
+                assert prom.query(q), f"{title}: {q!r} returned no series"
+            for v in dash["templating"]["list"]:
+                if v["type"] == "query":
+                    assert prom.query(_variable_query(v["query"]["query"])), v["name"]
             ratio = prom.query('sum by (tier) (rate(kvevents_lookup_tier_tokens_total[5m])) / ignoring(tier) '
                                'group_left sum(rate(kvevents_lookup_prompt_tokens_total[5m]))')
             assert {r["metric"]["tier"]: round(float(r["value"][1]), 3) for r in ratio} == {"GPU": 0.6}
         finally:
             prom.close()
+            httpd.shutdown()
     eng.pub.shutdown(0.5)

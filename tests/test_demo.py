@@ -14,8 +14,10 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from browser import READ_PAGE, Browser
@@ -24,8 +26,10 @@ from support import PrometheusServer, free_port, require_binary, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboard/grafana/dashboards/kvevents.json"
 ARTIFACTS = ROOT / "artifacts"
-_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
-_METRIC = re.compile(r"\bkvevents_[a-z0-9_]+\b")
+# Grafana's variables as Grafana substitutes them with "All" selected.
+_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m",
+         "$model": ".*", "$engine": ".*", "$instance": ".*"}
+_METRIC = re.compile(r"\b(?:kvevents_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 
 
 def panel_queries() -> list[tuple[str, str]]:
@@ -84,17 +88,26 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
         def scraped() -> bool:
             up = prom.query("up")
             return len(up) == 3 and all(r["value"][1] == "1" for r in up) and bool(
-                prom.query('kvevents_engine_hit_tokens_total{tier="GPU"} > 0'))
+                prom.query('vllm:prompt_tokens_by_source_total{source="local_cache_hit"} > 0'))
 
         assert wait_until(scraped, 60, 0.5), prom.query("up")
+        # Every query is evaluated at this instant, while the fleet runs: the demo may
+        # end (and its series go stale) while the queries are still being asked.
+        at = time.time()
+
+        def query_at(promql: str) -> list:
+            r = httpx.get(f"{prom.url}/api/v1/query", params={"query": promql, "time": at}, timeout=10)
+            body = r.json()
+            assert body.get("status") == "success", (promql, body)  # Prometheus's error if invalid
+            return body["data"]["result"]
+
         queries = panel_queries()
         assert len(queries) > 20
-        missing = set()
+        names = set()
         for title, expr in queries:
-            prom.query(expr)  # raises with Prometheus's error if the query is invalid
-            for name in _METRIC.findall(expr):
-                if not prom.query(f'{{__name__=~"{name}.*"}}'):
-                    missing.add(name)
+            query_at(expr)
+            names.update(_METRIC.findall(expr))
+        missing = {name for name in names if not query_at(f'{{__name__="{name}"}}')}
         assert not missing, f"panel metrics with no data from the demo: {sorted(missing)}"
         out, _ = demo.communicate(timeout=180)
     finally:

@@ -30,12 +30,12 @@ def test_prometheus_scrapes_aggregator_metrics(tmp_path):
                 res = prom.query(q)
                 return float(res[0]["value"][1]) if res else None
 
-            assert wait_until(lambda: value('kvevents_resident_blocks{pod="engine-0",tier="GPU"}') == 3.0, 30, 0.5)
-            assert value('kvevents_resident_blocks{pod="engine-0",tier="CPU"}') == 1.0
+            assert wait_until(lambda: value('kvevents_resident_blocks{engine="engine-0",tier="GPU"}') == 3.0, 30, 0.5)
+            assert value('kvevents_resident_blocks{engine="engine-0",tier="CPU"}') == 1.0
             assert value('sum(kvevents_block_events_applied_total{type="BlockStored"})') == 5.0
-            assert value('kvevents_pod_up{pod="engine-0"}') == 1.0
+            assert value('kvevents_engine_up{engine="engine-0"}') == 1.0
             assert value('up{job="kvevents"}') == 1.0
-            assert value('kvevents_event_lag_seconds_count{pod="engine-0"}') == 2.0
+            assert value('kvevents_event_lag_seconds_count{engine="engine-0"}') == 2.0
         finally:
             prom.close()
     pub.shutdown(0.5)

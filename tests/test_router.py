@@ -142,7 +142,7 @@ def test_route_over_http(server):
     r = httpx.post(f"{url}/v1/route", json={"token_ids": PROMPT})
     assert r.status_code == 200 and r.json()["pod"] == "a"
     text = httpx.get(f"{url}/metrics").text
-    assert 'kvevents_lookups_total{endpoint="route"} 2.0' in text
+    assert 'kvevents_lookups_total{api="route",model_name=""} 2.0' in text
 
 
 @pytest.mark.parametrize("body, status, field", [

@@ -113,10 +113,10 @@ def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
 
     # Metrics reflect it.
     text = httpx.get(f"{srv.url}/metrics").text
-    assert 'kvevents_resident_blocks{pod="a",tier="CPU"} 2.0' in text
-    assert 'kvevents_replayed_batches_total{pod="a"}' in text
-    assert 'kvevents_unknown_removals_total{pod="b"} 1.0' in text
-    assert 'kvevents_lookups_total{endpoint="lookup"} 4.0' in text
+    assert 'kvevents_resident_blocks{engine="a",model_name="m",tier="CPU"} 2.0' in text
+    assert 'kvevents_replayed_batches_total{engine="a",model_name="m"}' in text
+    assert 'kvevents_unknown_removals_total{engine="b",model_name="m"} 1.0' in text
+    assert 'kvevents_lookups_total{api="lookup",model_name=""} 4.0' in text
 
     # A cleared cache and a publisher restart drop state.
     b.send(AllBlocksCleared())
@@ -203,8 +203,10 @@ def test_openapi_documents_the_api(fleet):
     for path in ("/v1/pods", "/v1/lookup", "/v1/blocks/{hash}", "/v1/prefixes", "/v1/events",
                  "/healthz", "/metrics"):
         assert path in spec["paths"], path
-    body = spec["paths"]["/v1/lookup"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert "token_ids" in body["properties"] and body["required"] == ["token_ids"]
+    ref = spec["paths"]["/v1/lookup"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = spec["components"]["schemas"][ref["$ref"].rsplit("/", 1)[1]]
+    # Exactly one of token_ids, prompt, messages: none is required on its own.
+    assert {"token_ids", "prompt", "messages"} <= set(body["properties"])
 
 
 def test_handlers_never_block_the_event_loop_on_the_index_lock():

@@ -13,9 +13,11 @@ from prometheus_client import CollectorRegistry
 
 from kvevents.aggregator import Aggregator
 from kvevents.api import routes_ops, routes_pods, routes_query, routes_route, routes_snapshot
+from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
 from kvevents.api.limits import BodySizeLimit
 from kvevents.settings import AggregatorSettings
+from kvevents.text import TokenizerRegistry
 
 
 def create_app(
@@ -49,6 +51,9 @@ def create_app(
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    install_body_schemas(app)
+    # Loaded now, not in the lifespan: a bad tokenizer path stops startup with its name.
+    app.state.tokenizers = TokenizerRegistry.load(settings.tokenizers)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(routes_ops.router)
     app.include_router(routes_pods.router)

@@ -1,21 +1,23 @@
-"""Fast, strict JSON request bodies decoded with msgspec (hot endpoints).
+"""Request bodies of the hot endpoints, defined once as msgspec Structs.
 
-Pydantic validation of a 2,048-token list plus FastAPI's body machinery cost about a
-millisecond per request; a typed msgspec decoder built once does it in microseconds.
-Errors are turned into the API's error shape with the offending field named, e.g.
-``token_ids[3]`` for ``$.token_ids[3]``. The pydantic models in ``models.py`` still
-document these bodies in the OpenAPI schema.
+Each body is decoded by a typed msgspec decoder built once (microseconds for a
+2,048-token list, where pydantic plus FastAPI's body machinery cost about a
+millisecond), and its OpenAPI schema is generated from the same Struct
+(``msgspec.json.schema_components``), so the documentation cannot drift from what is
+accepted. Errors become the API's error shape with the offending field named, e.g.
+``token_ids[3]`` for msgspec's ``$.token_ids[3]``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
-from fastapi import Request
+from fastapi import FastAPI, Request
 
 from kvevents.api.errors import ApiError
+from kvevents.text.chat import ChatMessage
 
 T = TypeVar("T")
 
@@ -23,9 +25,45 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 
 
 class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
-    token_ids: list[TokenId]
-    model: str | None = None
-    lora_name: str | None = None
+    """A prompt to look up: exactly one of ``token_ids``, ``prompt`` or ``messages``."""
+
+    token_ids: Annotated[list[TokenId], msgspec.Meta(
+        description="The prompt's token ids.")] | None = None
+    prompt: Annotated[str, msgspec.Meta(
+        description="Prompt text, tokenized with `model`'s tokenizer (special tokens "
+                    "added as the tokenizer defines).")] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(
+        min_length=1, description="OpenAI chat messages, rendered with `model`'s chat "
+                                  "template (generation prompt added) and tokenized.")] | None = None
+    model: Annotated[str, msgspec.Meta(
+        description="Only consider pods serving this model; names the tokenizer for "
+                    "`prompt` and `messages`.")] | None = None
+    lora_name: Annotated[str, msgspec.Meta(
+        description="LoRA adapter the prompt runs under.")] | None = None
+
+
+# A request count, bounded so sums and ratios of loads stay finite (1e308 overflowed).
+MAX_LOAD = 1e9
+
+
+class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
+    waiting: Annotated[float, msgspec.Meta(ge=0, le=MAX_LOAD, description="Requests queued.")] = 0.0
+    running: Annotated[float, msgspec.Meta(ge=0, le=MAX_LOAD, description="Requests running.")] = 0.0
+    kv_usage: Annotated[float, msgspec.Meta(
+        ge=0, le=1, description="Fraction of GPU KV blocks in use.")] = 0.0
+
+
+class CandidateBody(msgspec.Struct, forbid_unknown_fields=True):
+    pod: str
+    load: LoadBody | None = None
+
+
+class RouteBody(LookupBody, forbid_unknown_fields=True):
+    """A prompt to route, with the engines to choose from."""
+
+    candidates: Annotated[list[CandidateBody], msgspec.Meta(
+        description="Engines to choose from, with their load; default: every pod not "
+                    "down.")] | None = None
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -47,6 +85,7 @@ class BodyDecoder:
     """Decodes one body type; build once per type and reuse."""
 
     def __init__(self, type_: type[T]) -> None:
+        self.type = type_
         self._dec = msgspec.json.Decoder(type_)
 
     async def __call__(self, request: Request) -> T:
@@ -63,27 +102,28 @@ class BodyDecoder:
 decode_lookup = BodyDecoder(LookupBody)
 
 
-# A request count, bounded so sums and ratios of loads stay finite (1e308 overflowed).
-MAX_LOAD = 1e9
-Count = Annotated[float, msgspec.Meta(ge=0, le=MAX_LOAD)]
-
-
-class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
-    waiting: Count = 0.0
-    running: Count = 0.0
-    kv_usage: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
-
-
-class CandidateBody(msgspec.Struct, forbid_unknown_fields=True):
-    pod: str
-    load: LoadBody | None = None
-
-
-class RouteBody(msgspec.Struct, forbid_unknown_fields=True):
-    token_ids: list[TokenId]
-    model: str | None = None
-    lora_name: str | None = None
-    candidates: list[CandidateBody] | None = None
-
-
 decode_route = BodyDecoder(RouteBody)
+
+_BODIES: tuple[type, ...] = (LookupBody, RouteBody)
+_REF = "#/components/schemas/{name}"
+
+
+def body_doc(type_: type) -> dict[str, Any]:
+    """``openapi_extra`` of a route whose body is ``type_`` (decoded with msgspec)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(name=type_.__name__)}}}}}
+
+
+def install_body_schemas(app: FastAPI) -> None:
+    """Add the Structs' JSON schemas to the app's OpenAPI components (once, lazily)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            _, components = msgspec.json.schema_components(_BODIES, ref_template=_REF)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,46 +1,21 @@
-"""Request and response models of the HTTP API (pydantic, for validation and OpenAPI).
+"""Response models of the HTTP API and the pod body (pydantic, for OpenAPI).
 
-Requests are validated before any handler runs; unknown fields are rejected so a typo
-(``tokens`` for ``token_ids``) is an error naming the field, not a silent default.
-Responses are documented here but encoded straight from the index's msgspec results.
+The lookup and route bodies are msgspec Structs in :mod:`kvevents.api.body` (defined
+once, schema generated from them). Unknown fields are rejected so a typo (``tokens``
+for ``token_ids``) is an error naming the field, not a silent default. Responses are
+documented here but encoded straight from the index's msgspec results.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvevents.settings import POD_NAME_PATTERN
 
-# Strict: "5" is not a token id; a float is not either.
-TokenId = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class LookupRequest(_Strict):
-    token_ids: list[TokenId] = Field(description="The prompt's token ids.")
-    model: str | None = Field(None, description="Only consider pods serving this model.")
-    lora_name: str | None = Field(None, description="LoRA adapter the prompt runs under.")
-
-
-class LoadIn(_Strict):
-    waiting: float = Field(0.0, ge=0, le=1e9, description="Requests queued.")
-    running: float = Field(0.0, ge=0, le=1e9, description="Requests running.")
-    kv_usage: float = Field(0.0, ge=0, le=1, description="Fraction of GPU KV blocks in use.")
-
-
-class CandidateIn(_Strict):
-    pod: str
-    load: LoadIn | None = None
-
-
-class RouteRequest(LookupRequest):
-    candidates: list[CandidateIn] | None = Field(
-        None, description="Engines to choose from, with their load; default: every pod not down.")
 
 
 class PodScoreOut(BaseModel):
@@ -139,6 +114,8 @@ class PrefixOut(BaseModel):
     blocks: int
     block_size: int
     leading_tokens: list[int]
+    text: str | None = Field(None, description="The leading tokens' text, when the prefix's "
+                             "model has a tokenizer (absent when no tokenizer is configured).")
     pods: list[str]
     model: str | None = None
     lora_name: str | None = None

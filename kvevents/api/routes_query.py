@@ -9,12 +9,14 @@ from fastapi import APIRouter, Depends, Query, Response
 
 from kvevents.aggregator import Aggregator
 from kvevents.api import offloop
-from kvevents.api.body import LookupBody, decode_lookup
+from kvevents.api.body import LookupBody, body_doc, decode_lookup
 from kvevents.api.errors import ApiError
-from kvevents.api.models import ERRORS, BlockResponse, LookupRequest, LookupResponse, PrefixesResponse
+from kvevents.api.models import ERRORS, BlockResponse, LookupResponse, PrefixesResponse
+from kvevents.api.prompt import get_tokenizers, prompt_token_ids
 from kvevents.api.routes_pods import get_aggregator
 from kvevents.index import LookupResult
 from kvevents.schema import BlockHash, hash_to_str
+from kvevents.text import TokenizerRegistry
 
 router = APIRouter(prefix="/v1", tags=["queries"])
 _json = msgspec.json.Encoder()
@@ -23,13 +25,6 @@ _json = msgspec.json.Encoder()
 def json_response(payload: object, status: int = 200) -> Response:
     """Encode with msgspec: the index's results are Structs, no pydantic round trip."""
     return Response(_json.encode(payload), status_code=status, media_type="application/json")
-
-
-def check_prompt(token_ids: list[int], agg: Aggregator) -> None:
-    limit = agg.settings.max_prompt_tokens
-    if len(token_ids) > limit:
-        raise ApiError(413, f"token_ids has {len(token_ids)} tokens; the limit is {limit}",
-                       "token_ids")
 
 
 def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = frozenset()) -> dict:
@@ -42,21 +37,16 @@ def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = froze
     return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "pods": pods}
 
 
-def body_doc(model: type) -> dict:
-    """OpenAPI request body for a route that decodes its body with msgspec."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": model.model_json_schema()}}}}
-
-
 # async: the lookup is CPU-light and short, so it runs on the event loop instead of
 # paying a thread-pool hop per request; a wait for the index lock goes to a thread.
 @router.post("/lookup", response_model=LookupResponse, responses=ERRORS,
-             openapi_extra=body_doc(LookupRequest),
+             openapi_extra=body_doc(LookupBody),
              summary="Per pod, how many leading prompt tokens are cached, per tier and in total")
 async def lookup(body: LookupBody = Depends(decode_lookup),
-                 agg: Aggregator = Depends(get_aggregator)) -> Response:
-    check_prompt(body.token_ids, agg)
-    result = await offloop.lookup(agg, body.token_ids, body.model, body.lora_name, "lookup")
+                 agg: Aggregator = Depends(get_aggregator),
+                 tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
+    token_ids = await prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
+    result = await offloop.lookup(agg, token_ids, body.model, body.lora_name, "lookup")
     return json_response(lookup_payload(result, agg.unroutable_pods()))
 
 
@@ -109,5 +99,16 @@ def prefixes(
     model: str | None = None,
     limit: int = Query(10, ge=1, le=1000),
     agg: Aggregator = Depends(get_aggregator),
+    tokenizers: TokenizerRegistry = Depends(get_tokenizers),
 ) -> Response:
-    return json_response({"prefixes": agg.index.top_prefixes(model=model, limit=limit)})
+    found = agg.index.top_prefixes(model=model, limit=limit)
+    if not len(tokenizers):
+        return json_response({"prefixes": found})
+    out = []
+    for p in found:
+        item = msgspec.to_builtins(p)
+        tok = tokenizers.get(item.get("model"))
+        # The text of the leading tokens, where the prefix's model has a tokenizer.
+        item["text"] = tok.decode(item["leading_tokens"]) if tok is not None else None
+        out.append(item)
+    return json_response({"prefixes": out})

@@ -8,12 +8,14 @@ from fastapi import APIRouter, Depends, Response
 
 from kvevents.aggregator import Aggregator
 from kvevents.api import offloop
-from kvevents.api.body import RouteBody, decode_route
+from kvevents.api.body import RouteBody, body_doc, decode_route
 from kvevents.api.errors import ApiError
-from kvevents.api.models import ERRORS, RouteRequest, RouteResponse
+from kvevents.api.models import ERRORS, RouteResponse
+from kvevents.api.prompt import get_tokenizers, prompt_token_ids
 from kvevents.api.routes_pods import get_aggregator
-from kvevents.api.routes_query import body_doc, check_prompt, json_response
+from kvevents.api.routes_query import json_response
 from kvevents.router import Candidate, EngineLoad, without_pods
+from kvevents.text import TokenizerRegistry
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 
@@ -43,18 +45,19 @@ def candidates_of(body: RouteBody, agg: Aggregator) -> list[Candidate]:
 
 
 @router.post("/route", response_model=RouteResponse, responses=ERRORS,
-             openapi_extra=body_doc(RouteRequest),
+             openapi_extra=body_doc(RouteBody),
              summary="Choose the engine for a prompt: longest cached prefix per tier vs load")
 async def route(body: RouteBody = Depends(decode_route),
-                agg: Aggregator = Depends(get_aggregator)) -> Response:
-    check_prompt(body.token_ids, agg)
+                agg: Aggregator = Depends(get_aggregator),
+                tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
+    token_ids = await prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
     candidates = candidates_of(body, agg)
     lookup = without_pods(
-        await offloop.lookup(agg, body.token_ids, body.model, body.lora_name, "route"),
+        await offloop.lookup(agg, token_ids, body.model, body.lora_name, "route"),
         agg.unroutable_pods())
     # Never a down pod while one that is not down is on offer.
     down = agg.down_pods()
-    decision = agg.router.choose(body.token_ids, lookup, candidates, down=down)
+    decision = agg.router.choose(token_ids, lookup, candidates, down=down)
     return json_response({
         "pod": decision.pod, "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,
         "scores": [dataclasses.asdict(s) for s in decision.scores], "reason": decision.reason,

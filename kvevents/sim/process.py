@@ -35,12 +35,12 @@ from typing import Any
 
 import msgspec
 import zmq
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from connector.config import OffloadConfig
 from kvevents.sim.config import EngineConfig
 from kvevents.sim.engine import PagedEngine
-from kvevents.sim.metrics import CountingPublisher, EngineMetrics
+from kvevents.sim.metrics import CountingPublisher, EngineMetrics, serve_metrics
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 
 log = logging.getLogger("kvevents.engine")
@@ -70,7 +70,7 @@ class EngineServer:
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.name, self.engine, self.publisher, self.registry)
         if args.metrics_port:
-            start_http_server(args.metrics_port, addr=args.metrics_addr, registry=self.registry)
+            serve_metrics(args.metrics_port, args.metrics_addr, self.registry)
         self.ctx = zmq.Context.instance()
         self.rpc = self.ctx.socket(zmq.ROUTER)
         self.rpc.setsockopt(zmq.LINGER, 0)

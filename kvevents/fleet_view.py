@@ -1,0 +1,51 @@
+"""The narrow, read-only view of the aggregator that its metrics read.
+
+:class:`~kvevents.aggregator.Aggregator` satisfies :class:`FleetView` structurally;
+:mod:`kvevents.metrics` depends on this module only, so imports run one way
+(``aggregator -> metrics -> fleet_view``) and a test can hand the metrics any object
+with these few read methods. Every method is safe to call from any thread (the
+Prometheus scrape runs on an HTTP thread) and returns a snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvevents.index.results import IndexCounters
+    from kvevents.ingest.budget import Budget
+    from kvevents.settings import PodSpec
+    from kvevents.subscriber import SourceStats
+
+
+class IndexView(Protocol):
+    """The index queries the metrics need."""
+
+    def counters(self) -> IndexCounters: ...
+
+    def pod_block_counts(self, pod: str) -> dict[str, int]: ...
+
+
+class FleetView(Protocol):
+    """What is followed and how it is doing: engines (pod specs), their stream
+    statistics, and the index."""
+
+    @property
+    def index(self) -> IndexView: ...
+
+    def pod_specs(self) -> list[PodSpec]: ...
+
+    def source_stats(self) -> Mapping[str, SourceStats]: ...
+
+    @property
+    def apply_errors(self) -> Mapping[tuple[str, str], int]:
+        """Exceptions while applying, by (engine, kind)."""
+        ...
+
+    @property
+    def budget(self) -> Budget: ...
+
+    def ingest_health(self) -> dict: ...
+
+    def ingest_heartbeat_wall(self) -> float: ...

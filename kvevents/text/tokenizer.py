@@ -1,0 +1,178 @@
+"""One model's tokenizer, loaded from a local Hugging Face tokenizer directory.
+
+The directory holds ``tokenizer.json`` (required), ``tokenizer_config.json`` (special
+tokens, maybe the chat template) and maybe ``chat_template.jinja`` (which wins over
+the config's template, as in ``transformers``).
+
+* :meth:`TextTokenizer.encode_prompt` equals ``AutoTokenizer(...)(prompt)["input_ids"]``:
+  the text's ids with the special tokens the tokenizer's post-processor adds (a BOS...).
+* :meth:`TextTokenizer.encode_chat` equals ``apply_chat_template(messages,
+  add_generation_prompt=True, tokenize=True)``: the rendered template's ids, nothing
+  added (the template writes its own special tokens).
+
+Checked against ``transformers`` 5.x loading the directory as its generic fast
+tokenizer (the post-processor in ``tokenizer.json`` decides BOS/EOS). Not replicated: a
+tokenizer class that rewrites the post-processor from ``add_bos_token`` /
+``add_eos_token`` in the config at load time; for such a model, export its
+``tokenizer.json`` with the post-processor it uses.
+
+Lifecycle: built once at startup by the registry, then read-only apart from its
+piece cache (thread-safe). Construction raises ``ValueError`` with the file at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+from typing import Any
+
+from kvevents.text.chat import ChatMessage, ChatTemplate, ChatTemplateError
+from kvevents.text.segments import SegmentEncoder
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+_PROBE_TEXT = "Hello, world!  It's 2 o'clock\n\tcafé 東京 ✓"
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _template_source(directory: Path, config: dict) -> str | None:
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    tpl = config.get("chat_template")
+    if isinstance(tpl, str):
+        return tpl
+    if isinstance(tpl, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        source = named.get("default")
+        return source if isinstance(source, str) else None
+    return None
+
+
+def _first_piece_special(tokenizer_json: dict) -> bool:
+    """True when a component treats the first piece of the input differently
+    (Metaspace ``prepend_scheme="first"``), which rules out piecewise encoding."""
+    found = False
+
+    def walk(node: Any) -> None:
+        nonlocal found
+        if isinstance(node, dict):
+            if node.get("prepend_scheme") == "first":
+                found = True
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk({k: tokenizer_json.get(k) for k in ("normalizer", "pre_tokenizer")})
+    return found
+
+
+class TextTokenizer:
+    """See the module docstring."""
+
+    def __init__(self, model: str, directory: str | Path, cache_tokens: int = 2_000_000) -> None:
+        from tokenizers import Tokenizer
+
+        self.model = model
+        self.directory = Path(directory)
+        path = self.directory / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{path} not found (a Hugging Face tokenizer directory has one)")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            tok = Tokenizer.from_str(json.dumps(raw))
+        except Exception as exc:  # the Rust loader raises a bare Exception
+            raise ValueError(f"{path}: not a valid tokenizer ({exc})") from None
+        tok.no_truncation()
+        tok.no_padding()
+        self._tok = tok
+        config: dict = {}
+        config_path = self.directory / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{config_path}: invalid JSON ({exc})") from None
+        special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+        source = _template_source(self.directory, config)
+        try:
+            self.chat = ChatTemplate(source, special) if source else None
+        except ChatTemplateError as exc:
+            raise ValueError(f"{self.directory}: {exc}") from None
+
+        split = [t.content for t in tok.get_added_tokens_decoder().values()
+                 if t.special and not t.normalized and not (t.lstrip or t.rstrip or t.single_word)]
+        if _first_piece_special(raw):
+            split = []
+        self._pieces = SegmentEncoder(tok, split, max_tokens=cache_tokens)
+        if split and not self._pieces.self_check(self._probe(split)):
+            self._pieces.disable_pieces()
+        self._prefix, self._suffix = self._post_processor_affixes()
+
+    @staticmethod
+    def _probe(split: list[str]) -> str:
+        out = []
+        for i, t in enumerate(split[:16]):
+            out.append(f"{_PROBE_TEXT} {i}{t}\n {t} x{t}")
+        return "".join(out) + _PROBE_TEXT
+
+    def _post_processor_affixes(self) -> tuple[list[int], list[int]] | tuple[None, None]:
+        """The ids the post-processor puts around a single text ([BOS], [EOS]...), or
+        (None, None) when it does more than add a fixed prefix and suffix."""
+        plain = self._tok.encode(_PROBE_TEXT, add_special_tokens=False).ids
+        full = self._tok.encode(_PROBE_TEXT, add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        return None, None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat is not None
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether text is encoded piece by piece (cached per turn)."""
+        return self._pieces.piecewise
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Ids of a plain prompt, special tokens added as the tokenizer defines."""
+        if self._prefix is None:
+            return self._tok.encode(prompt, add_special_tokens=True).ids
+        ids = self._pieces.encode(prompt)
+        if not self._prefix and not self._suffix:
+            return ids.tolist()
+        return [*self._prefix, *ids.tolist(), *self._suffix]
+
+    def render_chat(self, messages: list[ChatMessage]) -> str:
+        """The prompt text of a conversation. Raises :class:`ChatTemplateError`
+        (also when the tokenizer has no chat template)."""
+        if self.chat is None:
+            raise ChatTemplateError(f"the tokenizer of model {self.model!r} has no chat template")
+        return self.chat.render(messages)
+
+    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
+        """Ids of a conversation rendered with the chat template, generation prompt added."""
+        return self.encode_rendered(self.render_chat(messages)).tolist()
+
+    def encode_rendered(self, text: str) -> array:
+        """Ids of an already rendered chat text (no special tokens added)."""
+        return self._pieces.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` for display (special tokens kept)."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def cache_stats(self) -> dict[str, int]:
+        return self._pieces.stats()
