@@ -106,7 +106,7 @@ class Aggregator:
             self._on_signal, replay_timeout=settings.replay_timeout_s,
             replay_deadline=settings.replay_deadline_s, seq_window=settings.seq_window,
             max_pending_bytes=settings.max_pending_bytes, recv_hwm=settings.recv_hwm,
-            context=self._zmq,
+            context=self._zmq, raw_tokens=True,  # the index reads token ids in place
         )
         # (pod, kind) -> count of exceptions while applying (kind: exception or event type).
         self.apply_errors: dict[tuple[str, str], int] = {}

@@ -305,8 +305,9 @@ class AggregatorSettings(BaseSettings):
             else:
                 raise ValueError(f"entry {i}: expected 'MODEL=PATH', got {item!r}")
         models = [m for m, _ in out]
-        if len(models) != len(set(models)):
-            raise ValueError(f"a model has two tokenizers: {models}")
+        for m in models:
+            if models.count(m) > 1:
+                raise ValueError(f"model {m!r} given more than once")
         return tuple(out)
 
     @field_validator("pods", mode="before")

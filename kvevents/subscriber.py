@@ -101,7 +101,11 @@ class Subscriber:
         recv_hwm: int = 1000,
         max_message_bytes: int = 64 << 20,
         context: zmq.Context | None = None,
+        raw_tokens: bool = False,
     ) -> None:
+        """``raw_tokens``: deliver stored events with their token ids left as raw msgpack
+        (see :class:`~kvevents.schema.BatchDecoder`): for consumers that only feed the
+        index, whose compiled core reads them in place."""
         self._consumer = consumer
         self._replay_timeout = replay_timeout
         self._replay_deadline = replay_deadline
@@ -110,7 +114,7 @@ class Subscriber:
         self._recv_hwm = recv_hwm
         self._max_message_bytes = max_message_bytes
         self._ctx = context or zmq.Context.instance()
-        self._decoder = BatchDecoder()
+        self._decoder = BatchDecoder(raw_tokens=raw_tokens)
         self._sources: dict[str, SourceState] = {}
         self._poller = zmq.Poller()
         # socket -> (source, role); role is "live", "replay" or "monitor".

@@ -8,7 +8,6 @@ Each test prints one ``FIGURE`` line with what it measured (run with ``-s`` to s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import resource
@@ -47,7 +46,7 @@ def stored(h: int, toks=TOKS) -> KVEventBatch:
 def settings(**kw) -> AggregatorSettings:
     """Settings with only the fields this version knows (lets the suite also measure the
     code before issue 11, whose settings lack the new knobs)."""
-    known = {f.name for f in dataclasses.fields(AggregatorSettings)}
+    known = set(AggregatorSettings.model_fields)
     return AggregatorSettings(**{k: v for k, v in kw.items() if k in known})
 
 

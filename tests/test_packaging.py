@@ -25,7 +25,7 @@ import kvevents
 from support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["pyproject.toml", "README.md", "LICENSE", "kvevents", "connector"]
+SOURCES = ["pyproject.toml", "setup.py", "README.md", "LICENSE", "kvevents", "connector"]
 
 
 def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
@@ -41,7 +41,7 @@ def base_venv(tmp_path_factory) -> Path:
     src.mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "_core.c"))
         else:
             shutil.copy2(ROOT / name, src / name)
     venv = tmp / "venv"
