@@ -72,7 +72,7 @@ class TraceConfig:
 
     def name(self) -> str:
         return (f"trace-p{self.pods}-c{self.capacity}-s{self.steady}-seed{self.seed}"
-                f"-e{self.max_event_blocks}-b{self.max_events_per_batch}-v3")
+                f"-e{self.max_event_blocks}-b{self.max_events_per_batch}-v4")
 
 
 def block_hash(parent: int, tokens: np.ndarray) -> int:
@@ -302,7 +302,8 @@ def generate(cfg: TraceConfig, workdir: str, log: bool = True) -> dict[str, str]
     with open(paths["trace"] + ".tmp", "wb") as f:
         def flush(e: _Engine, n: int) -> None:
             batch, e.pending = e.pending[:n], e.pending[n:]
-            payload = enc.encode(KVEventBatch(ts=float(tick), events=batch))
+            # vLLM's publisher always sets the rank (Dynamo's listener needs all 3 fields).
+            payload = enc.encode(KVEventBatch(ts=float(tick), events=batch, data_parallel_rank=0))
             name = e.name.encode()
             f.write(_REC.pack(len(name), len(payload)))
             f.write(name)
