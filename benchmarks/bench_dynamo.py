@@ -1,6 +1,6 @@
 """Side by side with Dynamo 1.6.1 on the realistic trace (TARGETS P1, P2, P4, P8).
 
-Needs the bench venv (``make bench-venv`` or see benchmarks/README.md): the project and
+Needs the bench venv (see benchmarks/README.md): the project and
 ``ai-dynamo-runtime==1.6.1``. Each trace (benchmarks/kvtrace.py) is generated once and
 cached in ``--workdir``. Three measurements, both sides in the same invocation:
 
