@@ -72,7 +72,7 @@ class TraceConfig:
 
     def name(self) -> str:
         return (f"trace-p{self.pods}-c{self.capacity}-s{self.steady}-seed{self.seed}"
-                f"-e{self.max_event_blocks}-b{self.max_events_per_batch}-v4")
+                f"-e{self.max_event_blocks}-b{self.max_events_per_batch}-v6")
 
 
 def block_hash(parent: int, tokens: np.ndarray) -> int:
@@ -217,7 +217,10 @@ def _requests(cfg: TraceConfig, rng: np.random.Generator, corpus: _Corpus):
             toks = np.concatenate([prompt, q, rng.integers(0, VOCAB, out_len // 4, dtype=np.int32)])
             n_pre = len(prompt) // BS
             hashes = bh[:n_pre] + chain_hashes(toks[n_pre * BS:], bh[n_pre - 1])
-            yield int(rng.integers(cfg.pods)), toks, hashes, (32_768) // BS, "long"
+            # A KV-aware router keeps sending a long document where it is cached.
+            home = d * cfg.pods // len(corpus.longs)
+            pod = home if rng.random() < 0.8 else int(rng.integers(cfg.pods))
+            yield pod, toks, hashes, 32_768 // BS, "long"
         elif r < 0.43:  # document question
             s = int(rng.integers(len(corpus.sys)))
             d = int(rng.choice(len(corpus.docs), p=corpus.doc_p))
@@ -266,7 +269,8 @@ def _lookup_prompts(cfg: TraceConfig, rng: np.random.Generator, recent: deque,
     seqs = [t for t in recent if len(t) >= n_tokens][-48:] or list(recent)
     out = np.empty((cfg.lookup_prompts, n_tokens), dtype=np.int32)
     for i in range(cfg.lookup_prompts):
-        s = seqs[int(rng.integers(len(seqs)))]
+        # Full cuts from the 8 most recent sequences (most likely still cached).
+        s = seqs[-1 - int(rng.integers(min(8, len(seqs))))] if i % 2 == 0 else seqs[int(rng.integers(len(seqs)))]
         if i % 8 == 7:
             out[i] = rng.integers(0, VOCAB, n_tokens, dtype=np.int32)
         elif i % 2 == 0 and len(s) >= n_tokens:
@@ -335,7 +339,7 @@ def generate(cfg: TraceConfig, workdir: str, log: bool = True) -> dict[str, str]
         f"resident/{e.name}": np.fromiter(e.parent, dtype=np.uint64, count=len(e.parent))
         for e in engines}
     truth["prompts_2048"] = _lookup_prompts(cfg, rng, recent, 2048)
-    truth["prompts_32768"] = _lookup_prompts(cfg, rng, recent_long + recent, 32_768)
+    truth["prompts_32768"] = _lookup_prompts(cfg, rng, [*recent, *recent_long], 32_768)
     np.savez(paths["truth"] + ".tmp.npz", **truth)
     meta = {
         "config": asdict(cfg), "model": MODEL, "block_size": BS, "requests": tick,
