@@ -4,7 +4,9 @@ A real ``kvevents serve`` process (uvicorn) follows every pod of the realistic t
 (benchmarks/kvtrace.py). One publisher process replays the trace on one PUB socket per
 pod, paced at ``--rate`` block events/s (vLLM framing; when the trace ends it sends
 ``AllBlocksCleared`` to every pod and starts over, seq continuing), so ingest runs for
-the whole measurement. After ``--warmup`` seconds, one client sends 2,048-token prompts
+the whole measurement; its PUB sockets keep vLLM's default high-water mark (100,000), so
+a server that falls far behind loses batches (shown) rather than this process buffering
+without bound. After ``--warmup`` seconds, one client sends 2,048-token prompts
 drawn from the trace on a keep-alive connection and times each request end to end
 (serialisation, HTTP, validation, index lookup, response). Reported with the latency:
 the rate the publisher achieved and the rate the server applied during the window
@@ -55,7 +57,9 @@ def _publisher(trace: str, rate: float, loop: bool, ready, go, stop, sent) -> No
     socks, ports = {}, {}
     for pod in pods:
         s = ctx.socket(zmq.PUB)
-        s.setsockopt(zmq.SNDHWM, 0)
+        # vLLM's default high-water mark: a server that falls far behind loses batches
+        # (counted, shown) instead of this process buffering without bound.
+        s.setsockopt(zmq.SNDHWM, 100_000)
         ports[pod] = s.bind_to_random_port("tcp://127.0.0.1")
         socks[pod] = s
     clear = BatchEncoder().encode(KVEventBatch(0.0, [AllBlocksCleared()], data_parallel_rank=0))
@@ -173,6 +177,7 @@ def main() -> None:
            "applied_per_s": round((applied1 - applied0) / window),
            "backlog_block_events": max(0, sent1 - applied1) if args.rate else 0,
            "resident_entries": sum(sum(p["blocks"].values()) for p in pods_now),
+           "lost_batches": sum(p["lost_batches"] for p in pods_now),
            "p50_us": round(median(lat), 1), "p99_us": round(percentile(lat, 99), 1),
            "max_us": round(max(lat), 1), "mean_best_match_tokens": round(sum(matched) / len(matched), 1)}
     print(f"kvevents from {kvevents.__file__}", file=sys.stderr)
