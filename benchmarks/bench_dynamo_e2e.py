@@ -103,6 +103,9 @@ def _wait(pred, timeout: float, every: float = 0.1):
 
 class _Ours:
     name = "ours"
+    # ``-m`` puts the working directory first on sys.path: run the server from the
+    # checkout this process imported, so both measure the same kvevents.
+    cwd = os.path.dirname(os.path.dirname(os.path.abspath(kvevents.__file__)))
 
     def __init__(self, meta: dict, truth_counts: dict[str, int]) -> None:
         self.last = {p: c["batches"] - 1 for p, c in meta["per_pod"].items()}
@@ -135,6 +138,7 @@ class _Ours:
 
 class _Dynamo:
     name = "dynamo"
+    cwd = None
 
     def __init__(self, meta: dict, truth_counts: dict[str, int]) -> None:
         self.events = meta["events"]
@@ -180,7 +184,7 @@ def run_side(side, a, paths: dict, meta: dict, groups: list[list[str]], check_pr
     port = _free_port()
     log = open(os.path.join(a.workdir, f"e2e-{side.name}.log"), "wb")
     server = subprocess.Popen(side.command(port, ports, a.dynamo_threads), stdout=log,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, cwd=side.cwd)
     out: dict = {"side": side.name}
     try:
         if not _wait(lambda: side.ready(port), 120):

@@ -125,7 +125,10 @@ def main() -> None:
     cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--port", str(http_port)]
     for pod, p in sorted(ports.items()):
         cmd += ["--endpoint", f"{pod}=tcp://127.0.0.1:{p}"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # ``-m`` puts the working directory first on sys.path: run the server from the
+    # checkout this process imported, so it serves the same kvevents.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvevents.__file__)))
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as client:
             for _ in range(300):
