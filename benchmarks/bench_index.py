@@ -1,5 +1,8 @@
 """Benchmark of the prefix index (TARGETS P2, P4, P8, and in-process ingest).
 
+Older, flattering shapes (large events, per-pod salted hashes), kept as extra rows; the
+figures that count are the side-by-side ones on the realistic trace (bench_dynamo.py).
+
 For each index size (x1, x4, x16, x64: 64 pods x 1,563 .. 100,000 resident 16-token
 blocks; x64 is the P2 configuration) a realistic workload (benchmarks/workload.py) is
 generated once to a file, then replayed ``--runs`` times, each in a fresh process that

@@ -1,5 +1,8 @@
 """P1: ingest throughput over ZeroMQ, 8 publisher processes -> one aggregator process.
 
+Older, flattering shapes (large events, per-pod salted hashes), kept as extra rows; the
+figures that count are the side-by-side ones on the realistic trace (bench_dynamo.py).
+
 The workload (benchmarks/workload.py: shared system prompts and documents, per-pod
 engine hashes, 16-token blocks, LRU-like evictions once each pod's cache is full) is
 recorded to a file first. Each publisher process then replays its pod's recorded
