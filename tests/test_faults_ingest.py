@@ -50,6 +50,19 @@ def settings(**kw) -> AggregatorSettings:
     return AggregatorSettings(**{k: v for k, v in kw.items() if k in known})
 
 
+def rebind(make, timeout: float = 5.0):
+    """``make()`` once the port the previous publisher held is free again (its socket
+    closes on its own thread, just after ``shutdown`` returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 def resident(agg: Aggregator, pod: str) -> set:
     return set().union(*agg.index.engine_hashes(pod).values()) if agg.index.engine_hashes(pod) else set()
 
@@ -143,7 +156,7 @@ def test_fast_publisher_restart_is_detected_by_continuity(new_batches, live_afte
             old.publish(stored(1000 + i))
         assert wait_until(lambda: resident(agg, "p") == set(range(1000, 1010)), 10)
         old.shutdown()
-        new = ZmqEventPublisher(PublisherConfig(**cfg))
+        new = rebind(lambda: ZmqEventPublisher(PublisherConfig(**cfg)))
         for i in range(new_batches):  # before the aggregator's SUB has reconnected
             new.publish(stored(2000 + i))
         time.sleep(1.0)
