@@ -195,7 +195,8 @@ cdef class Core:
     cdef public list tier_name
     cdef public list pod_orig         # pod id -> {h64: original hash} (bytes, big ints)
     cdef public list pod_ns           # pod id -> set of ns ids it uses
-    cdef public int max_namespaces, max_namespaces_per_pod, max_tiers
+    cdef public int max_namespaces, max_namespaces_per_pod, max_tiers, max_block_sizes
+    cdef public dict block_sizes      # (model, lora) -> block sizes in use (lookups try each)
     cdef public object last_refusal   # (reason, detail) of the latest refusal, for logs
 
     def __cinit__(self):
@@ -208,13 +209,16 @@ cdef class Core:
             self.masks[t] = NULL
 
     def __init__(self, bint keep_tokens=True, int max_namespaces=4096,
-                 int max_namespaces_per_pod=256, int max_tiers=MAX_TIERS):
+                 int max_namespaces_per_pod=256, int max_tiers=MAX_TIERS,
+                 int max_block_sizes=8):
         if not 1 <= max_namespaces <= 65535:
             raise ValueError("max_namespaces must be in [1, 65535]")
         self.keep_tokens = keep_tokens
         self.max_namespaces = max_namespaces
         self.max_namespaces_per_pod = max_namespaces_per_pod
         self.max_tiers = min(max(max_tiers, 1), MAX_TIERS)
+        self.max_block_sizes = max(max_block_sizes, 1)
+        self.block_sizes = {}
         self.ns_id = {}
         self.ns_info = []
         self.tier_id = {}
@@ -435,6 +439,15 @@ cdef class Core:
                 self.last_refusal = ("namespace_limit",
                                      f"{len(self.ns_info)} namespaces in total (max_namespaces)")
                 return -1
+            ml = (model, lora)
+            sizes = self.block_sizes.get(ml, 0)
+            if bs > 0 and sizes >= self.max_block_sizes:
+                # A lookup for (model, LoRA) tries each of its block sizes: keep them few.
+                self.last_refusal = ("namespace_limit", f"model {model!r} already has {sizes} "
+                                     "block sizes (max_block_sizes)")
+                return -1
+            if bs > 0:
+                self.block_sizes[ml] = sizes + 1
             nid = len(self.ns_info)
             if <int>nid >= self.ns_cap:
                 self.ns_cap = max(64, self.ns_cap * 2)
@@ -1303,6 +1316,10 @@ cdef class Core:
         memcpy(self.counts, <char*>st["counts"], npods * MAX_TIERS * 8)
         self.ns_info = [tuple(x) for x in st["ns_info"]]
         self.ns_id = {x: i for i, x in enumerate(self.ns_info)}
+        self.block_sizes = {}
+        for model, bs, lora in self.ns_info:
+            if bs > 0:
+                self.block_sizes[(model, lora)] = self.block_sizes.get((model, lora), 0) + 1
         self.ns_cap = max(64, len(self.ns_info))
         self.ns_root = <uint64_t*>_realloc(self.ns_root, self.ns_cap * 8)
         for i, (model, bs, lora) in enumerate(self.ns_info):

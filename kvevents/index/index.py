@@ -86,13 +86,17 @@ class PrefixIndex:
         max_namespaces: int = 4096,
         max_namespaces_per_pod: int = 256,
         max_tiers: int = 8,
+        max_block_sizes: int = 8,
     ) -> None:
         """``keep_tokens``: keep the tokens of the blocks within each sequence's first
         64 tokens (what ``top_prefixes`` and ``blocks_by_engine_hash`` show).
         ``max_namespaces`` / ``max_namespaces_per_pod``: caps on distinct (model, block
-        size, LoRA) namespaces; ``max_tiers``: cap on distinct media (at most 8)."""
+        size, LoRA) namespaces; ``max_tiers``: cap on distinct media (at most 8);
+        ``max_block_sizes``: cap on block sizes per (model, LoRA), which bounds what a
+        lookup tries."""
         self.lock = threading.Lock()
-        self._limits = (keep_tokens, max_namespaces, max_namespaces_per_pod, max_tiers)
+        self._limits = (keep_tokens, max_namespaces, max_namespaces_per_pod, max_tiers,
+                        max_block_sizes)
         self._reset()
 
     def _reset(self) -> None:

@@ -242,3 +242,16 @@ def test_raw_token_arrays_every_msgpack_int_width():
     st_ = b.apply_batch("q", raw.decode(enc.encode(bad)).batch)
     assert st_.refused_events == 2 and st_.stored_blocks == 1
     assert b.counters().refused_events["q"] == {"bad_tokens": 1, "unsupported_tokens": 1}
+
+
+def test_block_sizes_per_model_are_capped_so_lookups_stay_cheap():
+    """2,048 distinct block sizes for one model would make every lookup try 2,048
+    namespaces; beyond ``max_block_sizes`` they are refused and counted."""
+    idx = PrefixIndex(max_block_sizes=3)
+    for bs in range(1, 11):
+        idx.apply_batch("a", KVEventBatch(0.0, [_stored([bs], None, list(range(bs)), bs=bs)]), model="m")
+    assert idx.counters().refused_events["a"] == {"namespace_limit": 7}
+    assert len(idx._spaces("m", None)) == 3
+    # Another model has its own allowance.
+    idx.apply_batch("b", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], bs=4)]), model="n")
+    assert [p.pod for p in idx.lookup([1, 2, 3, 4], model="n").pods] == ["b"]
