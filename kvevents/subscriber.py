@@ -76,6 +76,22 @@ __all__ = [
 ]
 
 
+# Plain ints: pyzmq turns enum members back into enums on every call (measurable at
+# tens of thousands of messages a second).
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+
+
+def _recv_frames(sock: zmq.Socket) -> list[bytes]:
+    """One whole message without waiting (``zmq.Again`` when none is ready); what
+    ``recv_multipart(NOBLOCK)`` does, at less cost per frame. A message's frames arrive
+    together, so the later ones never block."""
+    frames = [sock.recv(_NOBLOCK)]
+    while sock.getsockopt(_RCVMORE):
+        frames.append(sock.recv(_NOBLOCK))
+    return frames
+
+
 class Subscriber:
     """Follows many publishers; see the module docstring for the contracts."""
 
@@ -256,7 +272,7 @@ class Subscriber:
             # Bounded drain per socket so one busy publisher cannot starve the others.
             for _ in range(1000):
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = _recv_frames(sock)
                 except zmq.Again:
                     break
                 except zmq.ZMQError as exc:

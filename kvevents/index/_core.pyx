@@ -45,6 +45,7 @@ import hashlib
 import msgspec
 
 from ..schema import AllBlocksCleared, BlockRemoved, BlockStored, RawTokensBlockStored
+from .results import ApplyStats
 
 # Tokens of a sequence's first HEAD_TOKENS tokens are kept (for display); blocks larger
 # than MAX_KEPT_BLOCK tokens never keep theirs.
@@ -66,6 +67,19 @@ DEF R_BAD_EVENT = 5
 
 # Media that name the same tier (SGLang's pinned host memory is the CPU tier).
 MEDIUM_ALIASES = {"CPU_PINNED": "CPU"}
+
+# Per-pod cumulative counters (C array, NC per pod): stored events and blocks per tier,
+# removed events and blocks per tier, then cleared, unknown, orphans, ignored, refused.
+DEF C_ST_EV = 0
+DEF C_ST_BL = MAX_TIERS
+DEF C_RM_EV = 2 * MAX_TIERS
+DEF C_RM_BL = 3 * MAX_TIERS
+DEF C_CLEARED = 4 * MAX_TIERS
+DEF C_UNKNOWN = 4 * MAX_TIERS + 1
+DEF C_ORPHANS = 4 * MAX_TIERS + 2
+DEF C_IGNORED = 4 * MAX_TIERS + 3
+DEF C_REFUSED = 4 * MAX_TIERS + 4
+DEF NC = 4 * MAX_TIERS + 4 + N_REASONS
 
 DEF F_SIGNED = 1      # the pod sent negative int hashes: report them signed
 DEF F_UNMAPPED = 2    # the pod may hold slots its hash table no longer points at
@@ -165,6 +179,7 @@ cdef class Core:
     cdef uint64_t* psalt
     cdef uint8_t* pflags
     cdef int64_t* counts              # [pod * MAX_TIERS + tier]: resident entries
+    cdef int64_t* tot                 # [pod * NC + C_*]: cumulative event counters
     cdef int pod_cap
     # -- kept head tokens (offsets in ``tokt``): arena[off] = length, then the tokens --
     cdef int64_t* arena
@@ -255,7 +270,7 @@ cdef class Core:
             for p in range(self.pod_cap):
                 table_free(&self.pmaps[p])
             free(self.pmaps)
-        free(self.psalt); free(self.pflags); free(self.counts); free(self.arena)
+        free(self.psalt); free(self.pflags); free(self.counts); free(self.tot); free(self.arena)
         free(self.ns_root); free(self.sh); free(self.stok); free(self.ends)
 
     # ------------------------------------------------------------------ storage
@@ -300,6 +315,8 @@ cdef class Core:
         self.psalt = <uint64_t*>_realloc(self.psalt, cap * sizeof(uint64_t))
         self.pflags = <uint8_t*>_realloc(self.pflags, cap * sizeof(uint8_t))
         memset(self.pflags + self.pod_cap, 0, (cap - self.pod_cap) * sizeof(uint8_t))
+        self.tot = <int64_t*>_realloc(self.tot, cap * NC * sizeof(int64_t))
+        memset(self.tot + self.pod_cap * NC, 0, (cap - self.pod_cap) * NC * sizeof(int64_t))
         self.counts = <int64_t*>_realloc(self.counts, cap * MAX_TIERS * sizeof(int64_t))
         memset(self.counts + self.pod_cap * MAX_TIERS, 0, (cap - self.pod_cap) * MAX_TIERS * sizeof(int64_t))
         free(self.ends)
@@ -403,6 +420,7 @@ cdef class Core:
         self.pod_ns[pid] = set()
         self.psalt[pid] = <uint64_t>salt
         self.pflags[pid] = 0
+        memset(self.tot + pid * NC, 0, NC * sizeof(int64_t))
 
     cpdef int tier(self, medium) except -2:
         """Tier id of a medium name (None = GPU; aliases folded); -1 beyond the cap."""
@@ -595,53 +613,83 @@ cdef class Core:
     # ------------------------------------------------------------------ ingest
 
     def apply(self, int pid, list events, model):
-        """Apply one batch's events for pod ``pid`` in order. Counters of this call are
-        left in the ``c_*`` fields (read them with :meth:`take_counts`)."""
-        cdef int i, t
+        """Apply one batch's events for pod ``pid`` in order; returns its
+        :class:`~kvevents.index.ApplyStats` and adds them to the pod's cumulative
+        counters (read with :meth:`pod_counters`), even when an error escapes."""
+        cdef int t
         for t in range(MAX_TIERS):
             self.c_st_ev[t] = self.c_st_bl[t] = self.c_rm_ev[t] = self.c_rm_bl[t] = 0
         for t in range(N_REASONS):
             self.c_refused[t] = 0
         self.c_events = self.c_cleared = self.c_unknown = self.c_orphans = self.c_ignored = 0
-        for ev in events:
-            self.c_events += 1
-            tp = type(ev)
-            if tp is RawTokensBlockStored or tp is BlockStored:
-                if not _full_attention(ev.kv_cache_spec_kind, ev.group_idx):
-                    self.c_ignored += 1
-                    continue
-                self._stored(pid, ev, model)
-            elif tp is BlockRemoved:
-                if not _full_attention(None, ev.group_idx):
-                    self.c_ignored += 1
-                    continue
-                self._removed(pid, ev)
-            elif tp is AllBlocksCleared:
-                self.clear_pod(pid)
-                self.c_cleared += 1
-            else:
-                self._refuse(R_BAD_EVENT, f"not an event: {tp.__name__}")
+        try:
+            for ev in events:
+                self.c_events += 1
+                tp = type(ev)
+                if tp is RawTokensBlockStored or tp is BlockStored:
+                    if not _full_attention(ev.kv_cache_spec_kind, ev.group_idx):
+                        self.c_ignored += 1
+                        continue
+                    self._stored(pid, ev, model)
+                elif tp is BlockRemoved:
+                    if not _full_attention(None, ev.group_idx):
+                        self.c_ignored += 1
+                        continue
+                    self._removed(pid, ev)
+                elif tp is AllBlocksCleared:
+                    self.clear_pod(pid)
+                    self.c_cleared += 1
+                else:
+                    self._refuse(R_BAD_EVENT, f"not an event: {tp.__name__}")
+        finally:
+            stored, removed, refused = self._accumulate(pid)
+        return ApplyStats(self.c_events, stored, removed, self.c_cleared, self.c_unknown,
+                          self.c_orphans, self.c_ignored, refused)
+
+    cdef tuple _accumulate(self, int pid):
+        cdef int64_t* c = self.tot + pid * NC
+        cdef int64_t stored = 0, removed = 0, refused = 0
+        cdef int t
+        for t in range(MAX_TIERS):
+            c[C_ST_EV + t] += self.c_st_ev[t]
+            c[C_ST_BL + t] += self.c_st_bl[t]
+            c[C_RM_EV + t] += self.c_rm_ev[t]
+            c[C_RM_BL + t] += self.c_rm_bl[t]
+            stored += self.c_st_bl[t]
+            removed += self.c_rm_bl[t]
+        c[C_CLEARED] += self.c_cleared
+        c[C_UNKNOWN] += self.c_unknown
+        c[C_ORPHANS] += self.c_orphans
+        c[C_IGNORED] += self.c_ignored
+        for t in range(N_REASONS):
+            c[C_REFUSED + t] += self.c_refused[t]
+            refused += self.c_refused[t]
+        return stored, removed, refused
 
     cdef void _refuse(self, int reason, str detail):
         self.c_refused[reason] += 1
         self.last_refusal = (REASONS[reason], detail)
 
-    def take_counts(self):
-        """This apply's counters: (events, cleared, unknown removals, orphan blocks,
-        ignored events, {(tier, kind): (events, blocks)}, {reason: events})."""
+    def pod_counters(self, int pid):
+        """Pod ``pid``'s cumulative counters since :meth:`ensure_pod` / the last
+        :meth:`reset_counters`: ({(tier, kind): (events, blocks)}, cleared, unknown
+        removals, orphan blocks, ignored events, {reason: events})."""
+        cdef int64_t* c = self.tot + pid * NC
         applied = {}
         refused = {}
         cdef int t
         for t in range(len(self.tier_name)):
-            if self.c_st_ev[t]:
-                applied[(self.tier_name[t], "BlockStored")] = (self.c_st_ev[t], self.c_st_bl[t])
-            if self.c_rm_ev[t]:
-                applied[(self.tier_name[t], "BlockRemoved")] = (self.c_rm_ev[t], self.c_rm_bl[t])
+            if c[C_ST_EV + t]:
+                applied[(self.tier_name[t], "BlockStored")] = (c[C_ST_EV + t], c[C_ST_BL + t])
+            if c[C_RM_EV + t]:
+                applied[(self.tier_name[t], "BlockRemoved")] = (c[C_RM_EV + t], c[C_RM_BL + t])
         for t in range(N_REASONS):
-            if self.c_refused[t]:
-                refused[REASONS[t]] = self.c_refused[t]
-        return (self.c_events, self.c_cleared, self.c_unknown, self.c_orphans,
-                self.c_ignored, applied, refused)
+            if c[C_REFUSED + t]:
+                refused[REASONS[t]] = c[C_REFUSED + t]
+        return applied, c[C_CLEARED], c[C_UNKNOWN], c[C_ORPHANS], c[C_IGNORED], refused
+
+    def reset_counters(self, int pid):
+        memset(self.tot + pid * NC, 0, NC * sizeof(int64_t))
 
     cdef int _stored(self, int pid, object ev, object model) except -1:
         hashes = ev.block_hashes

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
@@ -51,6 +52,23 @@ from .results import (
 log = logging.getLogger(__name__)
 
 _REFUSAL_LOG_INTERVAL_S = 60.0
+
+
+@dataclass
+class _Counts:
+    """Counters by pod name: applied[(pod, tier, kind)] = [events, blocks], and per pod
+    unknown removals, orphan blocks, ignored events, refused events by reason."""
+
+    applied: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    unknown: dict[str, int] = field(default_factory=dict)
+    orphans: dict[str, int] = field(default_factory=dict)
+    ignored: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def copy(self) -> _Counts:
+        return _Counts({k: list(v) for k, v in self.applied.items()}, dict(self.unknown),
+                       dict(self.orphans), dict(self.ignored),
+                       {p: dict(r) for p, r in self.refused.items()})
 
 
 class IndexBusy(RuntimeError):
@@ -102,12 +120,9 @@ class PrefixIndex:
     def _reset(self) -> None:
         self._core = Core(*self._limits)
         self._pods = PodRegistry()
-        # Counters by pod name (monotonic, kept across drops).
-        self._applied: dict[tuple[str, str, str], list[int]] = {}
-        self._unknown: dict[str, int] = {}
-        self._orphans: dict[str, int] = {}
-        self._ignored: dict[str, int] = {}
-        self._refused: dict[str, dict[str, int]] = {}
+        # Counters of pods' past lives by name (monotonic, kept across drops); the live
+        # pods' own are in the core, per id, and added in by _all_counts.
+        self._counts = _Counts()
         self._refusal_logged: dict[tuple[str, str], float] = {}
         # Lookup's namespace lists, extended as the core creates namespaces.
         self._ns_seen = 0
@@ -131,58 +146,56 @@ class PrefixIndex:
             if pid is None:
                 pid, salt = self._pods.add(pod)
                 self._core.ensure_pod(pid, salt)
-            try:
-                self._core.apply(pid, batch.events, model)
-            finally:
-                stats = self._merge_counts(pod)
+            stats = self._core.apply(pid, batch.events, model)
+            if stats.refused_events:
+                self._log_refusal(pod)
         return stats
 
-    def _merge_counts(self, pod: str) -> ApplyStats:
-        events, cleared, unknown, orphans, ignored, applied, refused = self._core.take_counts()
-        stats = ApplyStats(events=events, cleared=cleared, unknown_removals=unknown,
-                           orphan_blocks=orphans, ignored_events=ignored)
+    def _fold(self, pod: str, pid: int, into: _Counts) -> None:
+        """Add pod ``pid``'s cumulative core counters to ``into`` (by pod name)."""
+        applied, cleared, unknown, orphans, ignored, refused = self._core.pod_counters(pid)
         for (tier, kind), (n_ev, n_bl) in applied.items():
-            c = self._applied.setdefault((pod, tier, kind), [0, 0])
+            c = into.applied.setdefault((pod, tier, kind), [0, 0])
             c[0] += n_ev
             c[1] += n_bl
-            if kind == "BlockStored":
-                stats.stored_blocks += n_bl
-            else:
-                stats.removed_blocks += n_bl
         if cleared:
-            self._applied.setdefault((pod, "*", "AllBlocksCleared"), [0, 0])[0] += cleared
-        if unknown:
-            self._unknown[pod] = self._unknown.get(pod, 0) + unknown
-        if orphans:
-            self._orphans[pod] = self._orphans.get(pod, 0) + orphans
-        if ignored:
-            self._ignored[pod] = self._ignored.get(pod, 0) + ignored
+            into.applied.setdefault((pod, "*", "AllBlocksCleared"), [0, 0])[0] += cleared
+        for d, n in ((into.unknown, unknown), (into.orphans, orphans), (into.ignored, ignored)):
+            if n:
+                d[pod] = d.get(pod, 0) + n
         if refused:
-            mine = self._refused.setdefault(pod, {})
+            mine = into.refused.setdefault(pod, {})
             for reason, n in refused.items():
                 mine[reason] = mine.get(reason, 0) + n
-                stats.refused_events += n
-            self._log_refusal(pod, refused)
-        return stats
 
-    def _log_refusal(self, pod: str, refused: dict[str, int]) -> None:
+    def _all_counts(self) -> _Counts:
+        """The counters by name: those of dropped pods' past lives plus the live pods'
+        (caller holds the lock)."""
+        out = self._counts.copy()
+        for pod, pid in self._pods.ids.items():
+            self._fold(pod, pid, out)
+        return out
+
+    def _log_refusal(self, pod: str) -> None:
+        detail = self._core.last_refusal
+        reason = detail[0] if detail else "refused"
         now = time.monotonic()
-        for reason in refused:
-            last = self._refusal_logged.get((pod, reason))
-            if last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
-                self._refusal_logged[(pod, reason)] = now
-                detail = self._core.last_refusal
-                log.warning("pod %s: refused %s event(s) (%s; total %d so far; next such "
-                            "message in %.0f s at the earliest)", pod, reason,
-                            detail[1] if detail and detail[0] == reason else reason,
-                            self._refused[pod][reason], _REFUSAL_LOG_INTERVAL_S)
+        last = self._refusal_logged.get((pod, reason))
+        if last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
+            self._refusal_logged[(pod, reason)] = now
+            log.warning("pod %s: refused %s event(s) (%s; next such message in %.0f s at "
+                        "the earliest; counts in counters().refused_events)", pod, reason,
+                        detail[1] if detail else reason, _REFUSAL_LOG_INTERVAL_S)
 
     def drop_pod(self, pod: str) -> None:
         """Forget everything ``pod`` announced (publisher restart, unrecoverable gap,
         unsubscribe). Its counters are kept. Unknown pods are ignored."""
         with self.lock:
-            pid = self._pods.remove(pod)
+            pid = self._pods.get(pod)
             if pid is not None:
+                self._fold(pod, pid, self._counts)  # its counters outlive its id
+                self._core.reset_counters(pid)
+                self._pods.remove(pod)
                 self._core.clear_pod(pid)
                 self._prefix_cache.clear()
 
@@ -268,17 +281,18 @@ class PrefixIndex:
     def counters(self) -> IndexCounters:
         """Snapshot of the counters and sizes."""
         with self.lock:
+            c = self._all_counts()
             return IndexCounters(
                 applied=[
-                    EventCount(pod=p, tier=t, type=k, events=c[0], blocks=c[1])
-                    for (p, t, k), c in sorted(self._applied.items())
+                    EventCount(pod=p, tier=t, type=k, events=v[0], blocks=v[1])
+                    for (p, t, k), v in sorted(c.applied.items())
                 ],
-                unknown_removals=dict(self._unknown),
-                orphan_blocks=dict(self._orphans),
-                ignored_events=dict(self._ignored),
+                unknown_removals=c.unknown,
+                orphan_blocks=c.orphans,
+                ignored_events=c.ignored,
                 resident_entries=self._core.total_entries(),
                 distinct_blocks=self._core.live_slots(),
-                refused_events={p: dict(r) for p, r in self._refused.items()},
+                refused_events=c.refused,
                 namespaces=len(self._core.ns_info),
                 tiers=list(self._core.tier_name),
             )

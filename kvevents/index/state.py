@@ -27,21 +27,25 @@ _dec = msgspec.msgpack.Decoder(dict)
 
 def export_state(index: PrefixIndex) -> bytes:
     with index.lock:
+        counts = index._all_counts()
         doc = {
             "version": FORMAT_VERSION,
             "limits": list(index._limits),
             "core": index._core.export_state(),
             "pods": index._pods.export(),
-            "applied": [[p, t, k, c[0], c[1]] for (p, t, k), c in index._applied.items()],
-            "unknown": index._unknown,
-            "orphans": index._orphans,
-            "ignored": index._ignored,
-            "refused": index._refused,
+            # Counters by name, live pods' included (the core starts at 0 on import).
+            "applied": [[p, t, k, c[0], c[1]] for (p, t, k), c in counts.applied.items()],
+            "unknown": counts.unknown,
+            "orphans": counts.orphans,
+            "ignored": counts.ignored,
+            "refused": counts.refused,
         }
         return _enc.encode(doc)
 
 
 def import_state(index: PrefixIndex, data: bytes) -> None:
+    from .index import _Counts
+
     try:
         doc = _dec.decode(data)
         if doc.get("version") != FORMAT_VERSION:
@@ -69,6 +73,4 @@ def import_state(index: PrefixIndex, data: bytes) -> None:
         index._reset()
         index._core = core
         index._pods = pods
-        index._applied = applied
-        index._unknown, index._orphans, index._ignored = counters
-        index._refused = refused
+        index._counts = _Counts(applied, *counters, refused)
