@@ -5,7 +5,8 @@ Needs the bench venv (see benchmarks/README.md): the project and
 cached in ``--workdir``. Three measurements, both sides in the same invocation:
 
 * ``inproc``: ingest from the same msgpack bytes, in process, runs alternating (ours:
-  ``BatchDecoder().decode`` + ``PrefixIndex.apply_batch``; Dynamo: the conversion in
+  ``BatchDecoder(raw_tokens=True).decode``, as the aggregator decodes, +
+  ``PrefixIndex.apply_batch``; Dynamo: the conversion in
   benchmarks/dynamo_side.py + ``RadixTree.apply_event``; Dynamo's apply-only rate on
   pre-converted JSON is shown too); then lookup p50/p99 at 2,048 and 32,768 tokens,
   alternating per prompt, every answer checked against the other side and against the
@@ -44,7 +45,7 @@ def rss_bytes() -> int:
 
 
 def ours_ingest(records: list[tuple[str, bytes]]) -> tuple[PrefixIndex, float]:
-    dec = BatchDecoder()
+    dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
     idx = PrefixIndex()
     t0 = time.perf_counter()
     for pod, payload in records:
@@ -156,7 +157,7 @@ def memory_worker(side: str, trace: str, resident_entries: int) -> dict:
     gc.collect()
     rss0 = rss_bytes()
     if side == "ours":
-        dec = BatchDecoder()
+        dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
         idx = PrefixIndex()
         for pod, payload in read(trace):
             idx.apply_batch(pod, dec.decode(payload).batch, model=MODEL)

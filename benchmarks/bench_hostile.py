@@ -115,7 +115,7 @@ def worker(shape: str, trace: str, truth: str, after: int, lookups: int) -> dict
     from kvevents.index import PrefixIndex
     from kvevents.schema import BatchDecoder, BlockStored, KVEventBatch
 
-    dec = BatchDecoder()
+    dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
     idx = PrefixIndex()
     rng = np.random.default_rng(7)
     gc.collect()

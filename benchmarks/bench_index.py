@@ -51,7 +51,7 @@ def worker(path: str, pods: int, capacity: int, lookups: int) -> dict:
     from kvevents.index import PrefixIndex
     from kvevents.schema import BatchDecoder
 
-    dec = BatchDecoder()
+    dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
     idx = PrefixIndex()
     gc.collect()
     rss0 = rss_bytes()

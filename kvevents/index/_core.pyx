@@ -276,7 +276,7 @@ cdef class Core:
     # ------------------------------------------------------------------ storage
 
     cdef int _grow_slots(self, int64_t need) except -1:
-        cdef int64_t cap = max(need, self.cap + self.cap // 4, 1024)
+        cdef int64_t cap = max(need, self.cap + self.cap // 8, 1024)
         self.key = <uint64_t*>_realloc(self.key, cap * sizeof(uint64_t))
         self.parent = <uint64_t*>_realloc(self.parent, cap * sizeof(uint64_t))
         self.depth = <uint32_t*>_realloc(self.depth, cap * sizeof(uint32_t))
@@ -1433,7 +1433,7 @@ cdef int _load_table(Table* t, bytes raw) except -1:
     for i in range(nb):
         if t.b[i].val >= 0:
             t.n += 1
-    if t.n * 5 > nb * 4:
+    if t.n * 20 > nb * 17:
         raise ValueError("index state: overfull table")
     return 0
 
@@ -1559,6 +1559,24 @@ cdef inline bint _full_attention(object kind, object group) noexcept:
     if kind is not None:
         return kind == "full_attention"
     return group is None or group == 0
+
+
+cdef extern from *:
+    """
+    #if defined(__GLIBC__)
+    #include <malloc.h>
+    /* Keep buffers of 256 KiB and more in their own mappings, returned to the OS when
+       freed. glibc otherwise raises the threshold after the first such free, and the
+       index's growing tables then leave unreturnable holes in the heap. */
+    static void kv_pin_mmap_threshold(void) { mallopt(M_MMAP_THRESHOLD, 256 * 1024); }
+    #else
+    static void kv_pin_mmap_threshold(void) {}
+    #endif
+    """
+    void kv_pin_mmap_threshold() nogil
+
+
+kv_pin_mmap_threshold()
 
 
 cdef extern from *:

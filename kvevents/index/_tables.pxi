@@ -9,7 +9,7 @@
 # backward-shift deletion, so there are no tombstones to clean up and a table never
 # degrades under churn (evict / store cycles are the normal workload). Capacities are
 # not powers of two: a bucket is picked by multiply-shift ("fastrange") and tables grow
-# by 1.5x at a load of 0.8, so the load stays in [0.53, 0.8] instead of halving at
+# by 1.5x at a load of 0.85, so the load stays in [0.57, 0.85] instead of halving at
 # each doubling; that is most of the index's memory per entry.
 
 cdef packed struct Bucket:
@@ -106,7 +106,7 @@ cdef int32_t table_put(Table* t, uint64_t key, int32_t val) except -2:
     cdef int32_t old
     if t.b == NULL:
         table_init(t, 8)
-    if (t.n + 1) * 5 > <int64_t>t.cap * 4:
+    if (t.n + 1) * 20 > <int64_t>t.cap * 17:
         table_grow(t)
     cdef uint64_t i = table_home(t, key)
     while t.b[i].val >= 0:
