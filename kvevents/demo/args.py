@@ -21,7 +21,7 @@ ENGINES = ["sim", "vllm"]
 # (a tiny model: small prompts, few requests, a few dozen 32-token blocks).
 ENGINE_DEFAULTS = {
     "sim": {"requests": 240, "cpu_blocks": 4096, "offloaded_block_size": 64},
-    "vllm": {"requests": 40, "cpu_blocks": 256, "offloaded_block_size": 32, "gpu_blocks": 32},
+    "vllm": {"requests": 40, "cpu_blocks": 256, "offloaded_block_size": 32, "gpu_blocks": 20},
 }
 
 
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU KV blocks per engine, 16 tokens each (default 1024, small enough that "
                         "the CPU tier matters; 8192 with --trace, to fit its longest prompt; "
-                        "with --engine vllm: 32 blocks of 32 tokens)")
+                        "with --engine vllm: 20 blocks of 32 tokens, so prefixes move to the CPU tier)")
     p.add_argument("--cpu-blocks", type=int, default=None,
                    help="CPU tier offloaded blocks per engine (default 4096; with --engine vllm: "
                         "256 engine blocks)")

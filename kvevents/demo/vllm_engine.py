@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--events", required=True, help="vLLM's PUB endpoint, tcp://127.0.0.1:P (it connects)")
     p.add_argument("--replay", required=True, help="vLLM's replay ROUTER endpoint (it binds)")
     p.add_argument("--rpc-port", type=int, required=True)
-    p.add_argument("--gpu-blocks", type=int, default=32, help=f"engine KV blocks of {BLOCK} tokens")
+    p.add_argument("--gpu-blocks", type=int, default=20, help=f"engine KV blocks of {BLOCK} tokens")
     p.add_argument("--cpu-blocks", type=int, default=256,
                    help=f"CPU tier capacity in engine blocks ({BLOCK} tokens); 0: no connector")
     p.add_argument("--offloaded-block-size", type=int, default=None,
