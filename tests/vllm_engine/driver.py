@@ -15,8 +15,9 @@ engine is stepped until idle (in-flight copies completed, events published), and
 true cache contents are written: the GPU prefix cache's block hashes and the
 connector's CPU-tier block hashes, as the engine publishes them (int hashes).
 
-The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
-truth can be read from it; the result is written as JSON, then the process waits (at
+The engine and its truth readers are :class:`kvevents.demo.vllm_engine.VllmEngine`, the
+same host the demo's ``--engine vllm`` uses. Its core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the truth can be read from it; the result is written as JSON, then the process waits (at
 most ``--linger`` seconds, or until stdin closes) so the tests can still ask its replay
 endpoint for every batch it published.
 """
@@ -31,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-BLOCK = 32
 PROMPT_TOKENS = 100  # 3 full blocks (96 tokens) + 4: the prefix the tiers can serve
 MAX_TOKENS = 16
 NUM_FILLERS = 6
