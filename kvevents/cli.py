@@ -213,6 +213,12 @@ def _demo(args: argparse.Namespace) -> int:
     status = _needs_demo_extra("kvevents demo")
     if status is not None:
         return status
+    if args.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return fail("kvevents demo", "--engine vllm: vLLM is not installed; install the vllm "
+                                         "extra: make vllm (or pip install -e '.[vllm]')")
     from kvevents.demo import run_demo
 
     try:

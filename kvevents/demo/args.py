@@ -16,8 +16,20 @@ from kvevents.defaults import DEFAULT_PORT
 POLICIES = ["kv", "round_robin", "least_loaded"]
 
 
+ENGINES = ["sim", "vllm"]
+# Defaults that differ with --engine: the simulated engine, then a real vLLM CPU engine
+# (a tiny model: small prompts, few requests, a few dozen 32-token blocks).
+ENGINE_DEFAULTS = {
+    "sim": {"requests": 240, "cpu_blocks": 4096, "offloaded_block_size": 64},
+    "vllm": {"requests": 40, "cpu_blocks": 256, "offloaded_block_size": 32, "gpu_blocks": 20},
+}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=4, help="engine processes to start (>= 1)")
+    p.add_argument("--engine", choices=ENGINES, default="sim",
+                   help="sim: the simulated paged-KV engine (default); vllm: real vLLM CPU engines "
+                        "with our connector, a tiny local model (needs the vllm extra; slow to start)")
     p.add_argument("--duration", type=float, default=40.0,
                    help="wall-clock seconds over which the workload's arrivals are spread")
     p.add_argument("--policy", choices=POLICIES, default="kv",
@@ -28,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary-json", default=None, metavar="PATH",
                    help="write the summary here (default: not written)")
     p.add_argument("--seed", type=int, default=0, help="seed of the built-in workload")
-    p.add_argument("--requests", type=int, default=240, help="built-in workload size")
+    p.add_argument("--requests", type=int, default=None,
+                   help="built-in workload size (default 240; 40 with --engine vllm)")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="replay a Mooncake-format JSONL trace (default: the built-in workload)")
     p.add_argument("--max-requests", type=int, default=300, help="with --trace: first N requests")
@@ -36,9 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --trace: simulated seconds per wall second (default: fit --duration)")
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU KV blocks per engine, 16 tokens each (default 1024, small enough that "
-                        "the CPU tier matters; 8192 with --trace, to fit its longest prompt)")
-    p.add_argument("--cpu-blocks", type=int, default=4096, help="CPU tier offloaded blocks per engine")
-    p.add_argument("--offloaded-block-size", type=int, default=64, help="tokens per offloaded block")
+                        "the CPU tier matters; 8192 with --trace, to fit its longest prompt; "
+                        "with --engine vllm: 20 blocks of 32 tokens, so prefixes move to the CPU tier)")
+    p.add_argument("--cpu-blocks", type=int, default=None,
+                   help="CPU tier offloaded blocks per engine (default 4096; with --engine vllm: "
+                        "256 engine blocks)")
+    p.add_argument("--offloaded-block-size", type=int, default=None,
+                   help="tokens per offloaded block (default 64; 32 with --engine vllm)")
     p.add_argument("--prometheus-targets", default=None, metavar="PATH",
                    help="write a Prometheus file_sd JSON of the aggregator's and engines' "
                         "/metrics, to point a Prometheus at the running demo (default: not written)")
@@ -56,14 +73,33 @@ def _positive(args: argparse.Namespace, names: list[str]) -> list[str]:
     return out
 
 
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Fills the defaults that depend on ``--engine`` (those left at None)."""
+    for name, value in ENGINE_DEFAULTS[getattr(args, "engine", "sim")].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def check_arguments(args: argparse.Namespace) -> list[str]:
-    """Problems with ``kvevents demo``'s arguments, one line each (empty: fine)."""
+    """Problems with ``kvevents demo``'s arguments, one line each (empty: fine).
+
+    Fills the ``--engine``-dependent defaults first."""
+    resolve_defaults(args)
     out = _positive(args, ["engines", "duration", "requests", "max_requests", "time_scale",
                            "gpu_blocks", "offloaded_block_size"])
     if args.cpu_blocks < 0:
         out.append(f"--cpu-blocks {args.cpu_blocks}: must be >= 0 (0: no CPU tier)")
     if not 0 < args.port < 65536:
         out.append(f"--port {args.port}: must be 1-65535")
+    if args.engine == "vllm":
+        if args.trace:
+            out.append("--trace: not with --engine vllm (its tiny model takes 512-token prompts; "
+                       "the built-in workload is scaled to it)")
+        if args.offloaded_block_size % 32:
+            out.append(f"--offloaded-block-size {args.offloaded_block_size}: with --engine vllm, "
+                       "a multiple of the engine's 32-token blocks")
+        if args.no_cpu_tier or args.cpu_blocks == 0:
+            out.append("--engine vllm runs our connector: its CPU tier cannot be off")
     return out
 
 

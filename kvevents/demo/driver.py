@@ -70,6 +70,7 @@ class Driver:
             self._poller.register(e.sock, zmq.POLLIN)
         self._last_progress = 0.0
         self._last_batches = (time.monotonic(), 0)
+        self.compared_blocks: dict[str, dict[str, int]] = {}  # engine -> tier -> true blocks
 
     # -- routing -----------------------------------------------------------------------
 
@@ -100,7 +101,9 @@ class Driver:
         self.state.outcomes[req.id] = Outcome(engine, req.arrival)
         self.state.inflight[engine].append(req.id)
         self.by_name[engine].send({"op": "submit", "id": req.id, "token_ids": req.token_ids,
-                                   "max_new_tokens": req.max_new_tokens, "arrival": req.arrival})
+                                   "max_new_tokens": req.max_new_tokens, "arrival": req.arrival,
+                                   # a real engine reports finish in wall time scaled by this
+                                   "time_scale": self.time_scale})
 
     def on_message(self, engine: EngineClient, msg: dict[str, Any]) -> None:
         o = self.state.outcomes.get(msg.get("id"))  # type: ignore[arg-type]
@@ -204,6 +207,8 @@ class Driver:
             for tier in set(truth) | set(seen):
                 a, b = set(truth.get(tier, [])), set(seen.get(tier, []))
                 per[tier] = len(a ^ b)
+                # What was compared: an empty tier on both sides would match trivially.
+                self.compared_blocks.setdefault(e.name, {})[tier] = len(a)
             out[e.name] = per
         return out
 
@@ -248,6 +253,7 @@ class Driver:
             },
             "index_mismatches": sum(sum(v.values()) for v in mismatches.values()),
             "index_mismatches_by_engine": mismatches,
+            "index_blocks_compared_by_engine": self.compared_blocks,
             "requests_per_engine": per_engine,
             "load_balance_max_over_min": max(counts) / max(min(counts), 1),
             "route_errors": self.state.route_errors,

@@ -92,7 +92,10 @@ class Fleet:
     """Starts and stops the demo's child processes."""
 
     def __init__(self, n_engines: int, port: int, cpu_tier: bool, *, gpu_blocks: int,
-                 cpu_blocks: int, offloaded_block_size: int, log_dir: str) -> None:
+                 cpu_blocks: int, offloaded_block_size: int, log_dir: str,
+                 vllm_model: str | None = None) -> None:
+        """``vllm_model``: a model directory; the engines are then real vLLM engines
+        (``python -m kvevents.demo.vllm_engine``) instead of simulated ones."""
         self.procs: dict[str, subprocess.Popen] = {}
         self.ctx = zmq.Context.instance()
         self.engines: list[EngineClient] = []
@@ -104,6 +107,18 @@ class Fleet:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for i in range(n_engines):
             name = f"engine-{i}"
+            if vllm_model is not None:
+                # No /metrics on a vLLM engine run in process (port 0: not listed).
+                ports = EnginePorts(free_port(), free_port(), free_port(), 0)
+                cmd = [sys.executable, "-m", "kvevents.demo.vllm_engine", "--name", name,
+                       "--model", vllm_model, "--events", f"tcp://127.0.0.1:{ports.events}",
+                       "--replay", f"tcp://127.0.0.1:{ports.replay}", "--rpc-port", str(ports.rpc),
+                       "--gpu-blocks", str(gpu_blocks), "--cpu-blocks", str(cpu_blocks),
+                       "--offloaded-block-size", str(offloaded_block_size)]
+                self._spawn(name, cmd, {**env, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                        "VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                self.engines.append(EngineClient(self.ctx, name, ports))
+                continue
             ports = EnginePorts(free_port(), free_port(), free_port(), free_port())
             cmd = [sys.executable, "-m", "kvevents.sim.process", "--name", name,
                    "--bind", "127.0.0.1", "--events-port", str(ports.events),
@@ -117,9 +132,11 @@ class Fleet:
         # The aggregator keeps snapshots next to the logs: restarted, it resumes.
         cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--data-dir", os.path.join(log_dir, "data")]
+        # vLLM's publisher connects to an explicit address: the aggregator binds there.
+        bind = ",bind=1" if vllm_model is not None else ""
         for e in self.engines:
             cmd += ["--endpoint", f"{e.name}=tcp://127.0.0.1:{e.ports.events},"
-                                  f"replay=tcp://127.0.0.1:{e.ports.replay}"]
+                                  f"replay=tcp://127.0.0.1:{e.ports.replay}{bind}"]
         self._spawn("aggregator", cmd, env)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:

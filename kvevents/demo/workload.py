@@ -105,3 +105,38 @@ def mooncake_trace(path: str | Path, max_requests: int | None = None,
                                    max(1, min(out_len, max_new_tokens))))
     out.sort(key=lambda r: r.arrival)
     return out
+
+
+def compact(n_requests: int = 40, rate: float = 4.0, seed: int = 0, vocab: int = 1024,
+            max_len: int = 512) -> list[DemoRequest]:
+    """The built-in workload's patterns, scaled to a tiny real model (``--engine vllm``).
+
+    Token ids below ``vocab``; every prompt plus its new tokens fits ``max_len``. Shared
+    system prompts (96 tokens), conversations growing turn by turn (restarting when they
+    would not fit) and questions over documents (160-288 tokens).
+    """
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(1, vocab, 96) for _ in range(3)]
+    docs = [rng.integers(1, vocab, int(rng.integers(160, 288))) for _ in range(4)]
+    conversations: list[np.ndarray] = []
+    out: list[DemoRequest] = []
+    t = 0.0
+    for i in range(n_requests):
+        t += float(rng.exponential(1.0 / rate))
+        new = int(rng.integers(4, 12))
+        kind = rng.random()
+        if kind < 0.45 and conversations:
+            c = int(rng.integers(len(conversations)))
+            user = rng.integers(1, vocab, int(rng.integers(16, 64)))
+            prompt = np.concatenate([conversations[c], rng.integers(1, vocab, 24), user])
+            if prompt.size + new > max_len:
+                prompt = np.concatenate([systems[c % 3], user])
+            conversations[c] = prompt
+        elif kind < 0.7:
+            prompt = np.concatenate([systems[int(rng.integers(3))], rng.integers(1, vocab, int(rng.integers(16, 96)))])
+            conversations.append(prompt)
+        else:
+            d = min(int(rng.zipf(1.5)) - 1, len(docs) - 1)
+            prompt = np.concatenate([systems[d % 3], docs[d], rng.integers(1, vocab, int(rng.integers(8, 48)))])
+        out.append(DemoRequest(f"req-{i}", t, prompt[: max_len - new].tolist(), new))
+    return out

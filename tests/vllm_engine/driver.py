@@ -15,8 +15,9 @@ engine is stepped until idle (in-flight copies completed, events published), and
 true cache contents are written: the GPU prefix cache's block hashes and the
 connector's CPU-tier block hashes, as the engine publishes them (int hashes).
 
-The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
-truth can be read from it; the result is written as JSON, then the process waits (at
+The engine and its truth readers are :class:`kvevents.demo.vllm_engine.VllmEngine`, the
+same host the demo's ``--engine vllm`` uses. Its core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the truth can be read from it; the result is written as JSON, then the process waits (at
 most ``--linger`` seconds, or until stdin closes) so the tests can still ask its replay
 endpoint for every batch it published.
 """
@@ -29,9 +30,8 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
-
-BLOCK = 32
 PROMPT_TOKENS = 100  # 3 full blocks (96 tokens) + 4: the prefix the tiers can serve
 MAX_TOKENS = 16
 NUM_FILLERS = 6
@@ -59,58 +59,26 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--linger", type=float, default=0.0)
     args = ap.parse_args()
-    # Set here, not at import: the tests import this module for its prompts.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # vLLM's internal sockets stay on loopback
+    # The engine (and its truth readers) is the demo's: one implementation.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from kvevents.demo.vllm_engine import VllmEngine
 
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVEventsConfig, KVTransferConfig
-    from vllm.inputs import TokensPrompt
-    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
-
-    kw: dict = {}
-    if args.connector:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVEventsOffloadingConnector", kv_connector_module_path="connector.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"cpu_bytes_to_use": args.cpu_bytes},
-        )
-    if args.events:
-        kw["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=args.events,
-            replay_endpoint=args.replay, topic="",
-        )
-    t0 = time.monotonic()
-    llm = LLM(
-        model=args.model, skip_tokenizer_init=True, max_model_len=256, block_size=BLOCK,
-        enable_prefix_caching=True, num_gpu_blocks_override=16, max_num_seqs=4,
-        dtype="bfloat16", seed=0, enforce_eager=True, **kw,
-    )
-    startup_s = time.monotonic() - t0
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
-    conn = sched.connector
-    pool = sched.kv_cache_manager.block_pool
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine = VllmEngine(args.model, cpu_bytes=args.cpu_bytes if args.connector else 0,
+                        events=args.events, replay=args.replay, gpu_blocks=16, max_model_len=256)
+    startup_s = engine.startup_s
+    sched, conn = engine.sched, engine.conn
     ps = prompts()
 
     def run(name: str) -> dict:
-        out = llm.generate([TokensPrompt(prompt_token_ids=ps[name])], params, use_tqdm=False)[0]
-        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+        return engine.generate(ps[name], MAX_TOKENS)
 
-    def settle(timeout: float = 60.0) -> None:
-        # generate() returns when outputs are done; copies may still be in flight and
-        # their completions arrive only with further engine steps.
-        deadline = time.monotonic() + timeout
-        while sched.has_requests():
-            if time.monotonic() > deadline:
-                raise TimeoutError("engine did not go idle")
-            llm.llm_engine.step()
-            time.sleep(0.005)
+    def settle() -> None:
+        engine.settle()
 
-    def gpu_hashes() -> set[int]:
-        return {maybe_convert_block_hash(get_block_hash(k)) for k in pool.cached_block_hash_to_block._cache}
+    gpu_hashes = engine.gpu_hashes
+    llm = engine.llm
+    params = engine.params(MAX_TOKENS)
+    from vllm.inputs import TokensPrompt
 
     result: dict = {"startup_s": startup_s, "connector": args.connector, "runs": {}}
     t1 = time.monotonic()

@@ -1,4 +1,4 @@
-"""A tiny random Llama checkpoint made locally (no model hub): for real-engine tests.
+"""A tiny random Llama checkpoint made locally (no model hub): real-engine tests and demo.
 
 ``make_tiny_model(dir)`` writes ``config.json`` + safetensors weights (bf16, seed 0)
 with transformers' own ``save_pretrained``; prompts are token ids, so no tokenizer is
