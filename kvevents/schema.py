@@ -101,58 +101,42 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+def _variant(cls: type, name: str, *, types: dict[str, Any] | None = None,
+             required: tuple[str, ...] = ()) -> type:
+    """A struct with ``cls``'s fields, tag and encoding, some field types replaced
+    (``types``) or some defaulted fields made required (``required``): the variants
+    below are derived, so the wire schema is written once, in the classes above."""
+    types = types or {}
+    fields: list[tuple[Any, ...]] = []
+    for f in msgspec.structs.fields(cls):
+        typ = types.get(f.name, f.type)
+        fields.append((f.name, typ) if f.required or f.name in required
+                      else (f.name, typ, f.default))
+    cfg = cls.__struct_config__
+    return msgspec.defstruct(
+        name, fields, tag=cfg.tag, tag_field=cfg.tag_field, array_like=cfg.array_like,
+        omit_defaults=cfg.omit_defaults, gc=False, module=__name__,
+    )
+
+
 # ---------------------------------------------------------------------------
 # Encode side of the map encoding: the shape vLLM writes, where lora_id, medium and
 # lora_name are required and so always present (even when None). Separate classes
 # because msgspec has one omit_defaults rule per class for both directions.
 
 
-class _WireBlockStored(KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: str | None = None
-
-
-class _WireBlockRemoved(KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[BlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: Any = None
-    ownership: Any = None
+_WireBlockStored = _variant(BlockStored, "_WireBlockStored",
+                            required=("lora_id", "medium", "lora_name"))
+_WireBlockRemoved = _variant(BlockRemoved, "_WireBlockRemoved", required=("medium",))
 
 
 _TO_WIRE: dict[type, type] = {BlockStored: _WireBlockStored, BlockRemoved: _WireBlockRemoved}
 
 
-class _PairsBlockStored(KVCacheEvent, tag="BlockStored"):
-    """SGLang's bigram-keyed pages (EAGLE): ``token_ids`` are ``[a, b]`` pairs. Only
-    the per-event fallback tries it, so normal batches keep the typed fast path."""
-
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[tuple[int, int]]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: str | None = None
+# SGLang's bigram-keyed pages (EAGLE): ``token_ids`` are ``[a, b]`` pairs. Only the
+# per-event fallback tries it, so normal batches keep the typed fast path.
+_PairsBlockStored = _variant(BlockStored, "_PairsBlockStored",
+                             types={"token_ids": list[tuple[int, int]]})
 
 
 def tokens_are_pairs(event: BlockStored) -> bool:
@@ -240,21 +224,11 @@ def peek_batch_ts(payload: bytes) -> float | None:
 # is still written once; only BatchDecoder(raw_tokens=True) produces them.
 
 
-def _raw_tokens_variant(cls: type, name: str) -> type:
-    fields = []
-    for f in msgspec.structs.fields(cls):
-        typ = msgspec.Raw if f.name == "token_ids" else f.type
-        fields.append((f.name, typ) if f.required else (f.name, typ, f.default))
-    cfg = cls.__struct_config__
-    return msgspec.defstruct(
-        name, fields, tag=cfg.tag, tag_field=cfg.tag_field, array_like=cfg.array_like,
-        omit_defaults=cfg.omit_defaults, gc=False, module=__name__,
-    )
-
-
 #: ``BlockStored`` whose ``token_ids`` is the raw msgpack array (``msgspec.Raw``).
-RawTokensBlockStored = _raw_tokens_variant(BlockStored, "RawTokensBlockStored")
-_ArrayRawTokensBlockStored = _raw_tokens_variant(_ArrayBlockStored, "_ArrayRawTokensBlockStored")
+RawTokensBlockStored = _variant(BlockStored, "RawTokensBlockStored",
+                                types={"token_ids": msgspec.Raw})
+_ArrayRawTokensBlockStored = _variant(_ArrayBlockStored, "_ArrayRawTokensBlockStored",
+                                      types={"token_ids": msgspec.Raw})
 _RawEvent = Union[RawTokensBlockStored, BlockRemoved, AllBlocksCleared]  # type: ignore[valid-type]
 _ArrayRawEvent = Union[_ArrayRawTokensBlockStored, _ArrayBlockRemoved, _ArrayAllBlocksCleared]  # type: ignore[valid-type]
 _RawBatchMap = msgspec.defstruct(

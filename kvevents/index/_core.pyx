@@ -691,7 +691,9 @@ cdef class Core:
     def reset_counters(self, int pid):
         memset(self.tot + pid * NC, 0, NC * sizeof(int64_t))
 
-    cdef int _stored(self, int pid, object ev, object model) except -1:
+    cdef int _event_hashes(self, int pid, object ev, int* tier, int* keep) except -2:
+        """The common start of a store or removal: its hashes into ``self.sh`` and its
+        tier. Returns the block count; 0 for an empty or refused (counted) event."""
         hashes = ev.block_hashes
         if type(hashes) is not list:
             self._refuse(R_BAD_EVENT, "block_hashes is not a list")
@@ -699,14 +701,22 @@ cdef class Core:
         cdef int64_t n = len(<list>hashes)
         if n == 0:
             return 0
-        cdef int tier = self.tier(ev.medium)
-        if tier < 0:
+        tier[0] = self.tier(ev.medium)
+        if tier[0] < 0:
             self._refuse(R_TIER_LIMIT, f"medium {ev.medium!r}: more than {self.max_tiers} tiers")
             return 0
-        cdef int keep = self._hashes(<list>hashes, pid)
-        if keep < 0:
+        keep[0] = self._hashes(<list>hashes, pid)
+        if keep[0] < 0:
             self._refuse(R_BAD_HASH, "a block hash is neither an int nor bytes")
             return 0
+        return n
+
+    cdef int _stored(self, int pid, object ev, object model) except -1:
+        cdef int tier, keep
+        cdef int64_t n = self._event_hashes(pid, ev, &tier, &keep)
+        if n == 0:
+            return 0
+        hashes = ev.block_hashes
         lora = ev.lora_name
         if lora is None and ev.lora_id is not None:
             lora = f"lora_id:{ev.lora_id}"
@@ -838,19 +848,9 @@ cdef class Core:
         return 1
 
     cdef int _removed(self, int pid, object ev) except -1:
-        hashes = ev.block_hashes
-        if type(hashes) is not list:
-            self._refuse(R_BAD_EVENT, "block_hashes is not a list")
-            return 0
-        cdef int64_t n = len(<list>hashes)
+        cdef int tier, keep
+        cdef int64_t n = self._event_hashes(pid, ev, &tier, &keep)
         if n == 0:
-            return 0
-        cdef int tier = self.tier(ev.medium)
-        if tier < 0:
-            self._refuse(R_TIER_LIMIT, f"medium {ev.medium!r}: more than {self.max_tiers} tiers")
-            return 0
-        if self._hashes(<list>hashes, pid) < 0:
-            self._refuse(R_BAD_HASH, "a block hash is neither an int nor bytes")
             return 0
         cdef Table* pm = &self.pmaps[pid]
         cdef int64_t i
