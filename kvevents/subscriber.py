@@ -285,12 +285,12 @@ class Subscriber:
                 if role == "monitor":
                     self._on_monitor(src, frames)
                 elif role == "replay":
-                    self._bytes_since_trim += sum(len(f) for f in frames)
+                    self._bytes_since_trim += len(frames[-1])  # the payload
                     self._on_replay(src, frames)
                     if src.dealer is not sock:  # the source was reset mid-replay
                         break
                 else:
-                    self._bytes_since_trim += sum(len(f) for f in frames)
+                    self._bytes_since_trim += len(frames[-1])  # the payload
                     self._on_live(src, frames)
                 if self._by_socket.get(sock) is None:  # removed while draining
                     break
@@ -497,13 +497,7 @@ class Subscriber:
         held-back live messages (they are the new process's)."""
         src.stats.restarts += 1
         last = src.stats.last_seq if src.live_high is None else src.live_high
-        self._close_dealer(src)
-        self._clear_replay(src)
-        src.expected = None
-        src.live_high = None
-        src.digests.clear()
-        src.verify = False
-        src.jump_streak = 0
+        self._reset(src)
         self._emit(PublisherRestarted(src.config.name, -1 if last is None else last, seq, reason))
 
     @staticmethod

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvevents.sim.rpc import EngineRpc
+
 BLOCK = 32  # engine block size (tokens)
 
 
@@ -180,7 +182,7 @@ class VllmEngine:
             pub.shutdown()
 
 
-class EngineServer:
+class EngineServer(EngineRpc):
     """The RPC of :mod:`kvevents.sim.process` in front of a :class:`VllmEngine`.
 
     ``done`` replies carry real figures: ``ttft`` in wall seconds, GPU hits from vLLM's
@@ -189,67 +191,43 @@ class EngineServer:
     """
 
     def __init__(self, engine: VllmEngine, rpc_endpoint: str) -> None:
-        import msgspec
-        import zmq
-
         self.engine = engine
-        self.ctx = zmq.Context.instance()
-        self.rpc = self.ctx.socket(zmq.ROUTER)
-        self.rpc.setsockopt(zmq.LINGER, 0)
-        self.rpc.bind(rpc_endpoint)
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(dict)
-        self._decode_error = msgspec.DecodeError
         self._reqs: dict[str, dict[str, Any]] = {}  # id -> client, submit time, figures
-        self.running = True
+        super().__init__(rpc_endpoint)
 
-    def reply(self, ident: bytes, msg: dict[str, Any]) -> None:
-        self.rpc.send_multipart((ident, self._enc.encode(msg)))
-
-    def handle(self, ident: bytes, payload: bytes) -> None:
-        try:
-            msg = self._dec.decode(payload)
-            op = msg["op"]
-        except (self._decode_error, KeyError, TypeError):
-            self.reply(ident, {"op": "error", "error": "expected a msgpack map with 'op'"})
-            return
-        try:
-            if op == "submit":
-                rid, tokens = str(msg["id"]), list(msg["token_ids"])
-                n = int(msg.get("max_new_tokens", 1))
-                if len(tokens) + n > self.engine.max_model_len:
-                    raise ValueError(f"{len(tokens)} prompt + {n} new tokens exceed the engine's "
-                                     f"max_model_len {self.engine.max_model_len}")
-                self.engine.add_request(rid, tokens, n)
-                self._reqs[rid] = {"ident": ident, "t0": time.monotonic(), "ttft": None, "cpu": 0,
-                                   "arrival": float(msg.get("arrival") or 0.0),
-                                   "scale": float(msg.get("time_scale") or 1.0), "prompt": len(tokens)}
-            elif op == "load":
-                s = self.engine.sched
-                self.reply(ident, {"op": "load", "waiting": len(s.waiting), "running": len(s.running),
-                                   "kv_usage": float(self.engine.sched.kv_cache_manager.usage)})
-            elif op == "drain":
-                self.run_until_idle(120.0)
-                last = self.engine.published()
-                off = self.engine.offload_stats()
-                self.reply(ident, {
-                    # vLLM's publisher queue blocks when full instead of dropping.
-                    "op": "drained", "last_seq": last, "published": last + 1, "dropped": 0,
-                    "kv_mismatches": 0, "verified_blocks": 0,  # vLLM has no byte check
-                    "offload": {k: off.get(k, 0) for k in ("stored_bytes", "loaded_bytes",
-                                                           "stored_seconds", "loaded_seconds")},
-                })
-            elif op == "contents":
-                self.reply(ident, {"op": "contents", "tiers": {
-                    "GPU": sorted(self.engine.gpu_hashes()), "CPU": sorted(self.engine.cpu_hashes())}})
-            elif op == "stop":
-                self.running = False
-                self.reply(ident, {"op": "stopped"})
-            else:
-                self.reply(ident, {"op": "error", "error": f"unknown op {op!r}"})
-        except (KeyError, ValueError, TypeError) as exc:
-            # vLLM's own input checks raise ValueError: the request is rejected, named.
-            self.reply(ident, {"op": "error", "id": msg.get("id"), "error": f"{op}: {exc}"})
+    def on_request(self, ident: bytes, op: str, msg: dict[str, Any]) -> bool:
+        # (vLLM's own input checks raise ValueError: the request is rejected, named.)
+        if op == "submit":
+            rid, tokens = str(msg["id"]), list(msg["token_ids"])
+            n = int(msg.get("max_new_tokens", 1))
+            if len(tokens) + n > self.engine.max_model_len:
+                raise ValueError(f"{len(tokens)} prompt + {n} new tokens exceed the engine's "
+                                 f"max_model_len {self.engine.max_model_len}")
+            self.engine.add_request(rid, tokens, n)
+            self._reqs[rid] = {"ident": ident, "t0": time.monotonic(), "ttft": None, "cpu": 0,
+                               "arrival": float(msg.get("arrival") or 0.0),
+                               "scale": float(msg.get("time_scale") or 1.0), "prompt": len(tokens)}
+        elif op == "load":
+            s = self.engine.sched
+            self.reply(ident, {"op": "load", "waiting": len(s.waiting), "running": len(s.running),
+                               "kv_usage": float(self.engine.sched.kv_cache_manager.usage)})
+        elif op == "drain":
+            self.run_until_idle(120.0)
+            last = self.engine.published()
+            off = self.engine.offload_stats()
+            self.reply(ident, {
+                # vLLM's publisher queue blocks when full instead of dropping.
+                "op": "drained", "last_seq": last, "published": last + 1, "dropped": 0,
+                "kv_mismatches": 0, "verified_blocks": 0,  # vLLM has no byte check
+                "offload": {k: off.get(k, 0) for k in ("stored_bytes", "loaded_bytes",
+                                                       "stored_seconds", "loaded_seconds")},
+            })
+        elif op == "contents":
+            self.reply(ident, {"op": "contents", "tiers": {
+                "GPU": sorted(self.engine.gpu_hashes()), "CPU": sorted(self.engine.cpu_hashes())}})
+        else:
+            return False
+        return True
 
     def step(self) -> None:
         outputs = self.engine.step()
@@ -282,28 +260,11 @@ class EngineServer:
                 raise ValueError(f"the engine did not go idle in {timeout:g}s")
             self.step()
 
-    def serve(self) -> None:
-        import zmq
+    def has_work(self) -> bool:
+        return self.engine.busy()
 
-        poller = zmq.Poller()
-        poller.register(self.rpc, zmq.POLLIN)
-        try:
-            while self.running:
-                busy = self.engine.busy()
-                if poller.poll(0 if busy else 50):
-                    while True:  # every waiting request before the step, so one step sees them
-                        try:
-                            ident, payload = self.rpc.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        except ValueError:  # wrong frame count
-                            continue
-                        self.handle(ident, payload)
-                if self.engine.busy():
-                    self.step()
-        finally:
-            self.engine.close()
-            self.rpc.close(0)
+    def close(self) -> None:
+        self.engine.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

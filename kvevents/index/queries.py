@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 CHUNK = 16384
 PREFIX_TTL_S = 1.0
+PREFIX_CACHE_KEYS = 64
 LEADING_TOKENS = 64
 WALK_STEPS = 256
 _MASK64 = (1 << 64) - 1
@@ -97,6 +98,9 @@ def top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> list[Pref
     if hit is not None and time.monotonic() - hit[0] < PREFIX_TTL_S:
         return hit[1]
     out = _scan_top_prefixes(index, model, limit)
+    if len(index._prefix_cache) >= PREFIX_CACHE_KEYS:
+        # Keys come from the query string (any model name, any limit): keep it bounded.
+        index._prefix_cache.clear()
     index._prefix_cache[key] = (time.monotonic(), out)
     return out
 

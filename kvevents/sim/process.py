@@ -33,8 +33,6 @@ import signal
 import sys
 from typing import Any
 
-import msgspec
-import zmq
 from prometheus_client import CollectorRegistry
 
 from connector.config import OffloadConfig
@@ -42,11 +40,12 @@ from kvevents.sim.config import EngineConfig
 from kvevents.sim.engine import PagedEngine
 from kvevents.sim.metrics import CountingPublisher, EngineMetrics, serve_metrics
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.sim.rpc import EngineRpc
 
 log = logging.getLogger("kvevents.engine")
 
 
-class EngineServer:
+class EngineServer(EngineRpc):
     """Owns the engine, its publisher, the RPC socket and the metrics endpoint."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -71,53 +70,32 @@ class EngineServer:
         self.metrics = EngineMetrics(self.name, self.engine, self.publisher, self.registry)
         if args.metrics_port:
             serve_metrics(args.metrics_port, args.metrics_addr, self.registry)
-        self.ctx = zmq.Context.instance()
-        self.rpc = self.ctx.socket(zmq.ROUTER)
-        self.rpc.setsockopt(zmq.LINGER, 0)
-        self.rpc.bind(f"tcp://{args.bind}:{args.rpc_port}")
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(dict)
         self._clients: dict[str, bytes] = {}  # request id -> client identity
-        self.running = True
+        super().__init__(f"tcp://{args.bind}:{args.rpc_port}")
 
-    def reply(self, ident: bytes, msg: dict[str, Any]) -> None:
-        self.rpc.send_multipart((ident, self._enc.encode(msg)))
-
-    def handle(self, ident: bytes, payload: bytes) -> None:
-        try:
-            msg = self._dec.decode(payload)
-            op = msg["op"]
-        except (msgspec.DecodeError, KeyError, TypeError):
-            self.reply(ident, {"op": "error", "error": "expected a msgpack map with 'op'"})
-            return
-        try:
-            if op == "submit":
-                self.engine.add_request(str(msg["id"]), msg["token_ids"],
-                                        int(msg.get("max_new_tokens", 1)), msg.get("arrival"))
-                self._clients[str(msg["id"])] = ident
-            elif op == "load":
-                self.reply(ident, {"op": "load", **self.engine.load()})
-            elif op == "drain":
-                for result in self.engine.run_until_idle():
-                    self.done(result)
-                stats = self.publisher.stats()
-                self.reply(ident, {
-                    "op": "drained", "last_seq": stats.next_seq - 1, "published": stats.published,
-                    "dropped": stats.dropped, "kv_mismatches": self.engine.kv_mismatches,
-                    "verified_blocks": self.engine.verified_blocks,
-                    "offload": self.engine.offload_stats(),
-                })
-            elif op == "contents":
-                self.reply(ident, {"op": "contents", "tiers": {
-                    tier: sorted(hashes) for tier, hashes in self.engine.cache_contents().items()}})
-            elif op == "stop":
-                self.running = False
-                self.reply(ident, {"op": "stopped"})
-            else:
-                self.reply(ident, {"op": "error", "error": f"unknown op {op!r}"})
-        except (KeyError, ValueError, TypeError) as exc:
-            # A rejected submit names its request, so the client can account for it.
-            self.reply(ident, {"op": "error", "id": msg.get("id"), "error": f"{op}: {exc}"})
+    def on_request(self, ident: bytes, op: str, msg: dict[str, Any]) -> bool:
+        if op == "submit":
+            self.engine.add_request(str(msg["id"]), msg["token_ids"],
+                                    int(msg.get("max_new_tokens", 1)), msg.get("arrival"))
+            self._clients[str(msg["id"])] = ident
+        elif op == "load":
+            self.reply(ident, {"op": "load", **self.engine.load()})
+        elif op == "drain":
+            for result in self.engine.run_until_idle():
+                self.done(result)
+            stats = self.publisher.stats()
+            self.reply(ident, {
+                "op": "drained", "last_seq": stats.next_seq - 1, "published": stats.published,
+                "dropped": stats.dropped, "kv_mismatches": self.engine.kv_mismatches,
+                "verified_blocks": self.engine.verified_blocks,
+                "offload": self.engine.offload_stats(),
+            })
+        elif op == "contents":
+            self.reply(ident, {"op": "contents", "tiers": {
+                tier: sorted(hashes) for tier, hashes in self.engine.cache_contents().items()}})
+        else:
+            return False
+        return True
 
     def done(self, result) -> None:
         self.metrics.observe(result)
@@ -132,29 +110,16 @@ class EngineServer:
                 "finish": result.finish_time,
             })
 
-    def serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.rpc, zmq.POLLIN)
-        try:
-            while self.running:
-                busy = self.engine.has_work()
-                if poller.poll(0 if busy else 50):
-                    # Take every waiting request before stepping, so one step sees them.
-                    while True:
-                        try:
-                            ident, payload = self.rpc.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        except ValueError:  # wrong frame count
-                            continue
-                        self.handle(ident, payload)
-                if self.engine.has_work():
-                    for result in self.engine.step():
-                        self.done(result)
-        finally:
-            self.engine.shutdown()
-            self.publisher.shutdown(2.0)
-            self.rpc.close(0)
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> None:
+        for result in self.engine.step():
+            self.done(result)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.publisher.shutdown(2.0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

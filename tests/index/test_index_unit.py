@@ -255,3 +255,16 @@ def test_block_sizes_per_model_are_capped_so_lookups_stay_cheap():
     # Another model has its own allowance.
     idx.apply_batch("b", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], bs=4)]), model="n")
     assert [p.pod for p in idx.lookup([1, 2, 3, 4], model="n").pods] == ["b"]
+
+
+def test_top_prefixes_cache_stays_bounded_whatever_is_asked():
+    """Its keys come from the query string (model, limit): any number of distinct
+    queries keeps at most PREFIX_CACHE_KEYS answers."""
+    from kvevents.index.queries import PREFIX_CACHE_KEYS
+
+    idx = PrefixIndex()
+    idx.apply_batch("a", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4])]), model="m")
+    for i in range(5 * PREFIX_CACHE_KEYS):
+        idx.top_prefixes(model=f"model-{i}", limit=1 + i % 7)
+    assert len(idx._prefix_cache) <= PREFIX_CACHE_KEYS
+    assert [p.tokens for p in idx.top_prefixes(model="m")] == [4]
