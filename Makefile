@@ -27,7 +27,7 @@ CONSTRAINTS := $(VENV)/constraints.txt
 .PHONY: test demo install vllm system-deps test-data bench clean
 
 # The compiled index core is built by the editable install: rebuild when its source changes.
-$(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi
+$(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi kvevents/ingest/_zmqrecv.pyx
 	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "installing into $(VENV): $(TORCH) (CPU build), then kvevents (editable, compiling its index core) with the dev and connector extras, then SGLang's publisher for its tests"
 	$(BIN)/python -m pip install -q --upgrade pip || echo "note: could not upgrade pip; continuing"
@@ -92,4 +92,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_publisher.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache kvevents/index/_core.c kvevents/index/*.so
+	rm -rf $(VENV) build *.egg-info .pytest_cache kvevents/index/_core.c kvevents/index/*.so kvevents/ingest/_zmqrecv.c kvevents/ingest/*.so

@@ -1,7 +1,9 @@
-"""Build of the compiled index core (everything else is in pyproject.toml).
+"""Build of the compiled parts (everything else is in pyproject.toml).
 
-The core is Cython (``kvevents/index/_core.pyx``); pip fetches Cython at build time
-(``[build-system] requires``), so installing needs only a C compiler.
+Both are Cython: the index core (``kvevents/index/_core.pyx``) and the ZeroMQ message
+drain of the ingest loop (``kvevents/ingest/_zmqrecv.pyx``, which links nothing: it
+takes libzmq's functions from pyzmq's copy at run time). pip fetches Cython at build
+time (``[build-system] requires``), so installing needs only a C compiler.
 """
 
 from Cython.Build import cythonize
@@ -10,7 +12,9 @@ from setuptools import Extension, setup
 setup(
     ext_modules=cythonize(
         [Extension("kvevents.index._core", ["kvevents/index/_core.pyx"],
-                   extra_compile_args=["-O3"])],
+                   extra_compile_args=["-O3"]),
+         Extension("kvevents.ingest._zmqrecv", ["kvevents/ingest/_zmqrecv.pyx"],
+                   extra_compile_args=["-O2"])],
         language_level=3,
     ),
 )

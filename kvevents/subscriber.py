@@ -82,6 +82,11 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
 
+#: Most messages taken from one socket per poll, so one busy publisher cannot starve
+#: the others.
+_DRAIN_MAX = 1000
+
+
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
     """One whole message without waiting (``zmq.Again`` when none is ready); what
     ``recv_multipart(NOBLOCK)`` does, at less cost per frame. A message's frames arrive
@@ -90,6 +95,34 @@ def _recv_frames(sock: zmq.Socket) -> list[bytes]:
     while sock.getsockopt(_RCVMORE):
         frames.append(sock.recv(_NOBLOCK))
     return frames
+
+
+def _drain_python(sock: zmq.Socket, max_msgs: int, out: list[list[bytes]]) -> int:
+    """:func:`kvevents.ingest._zmqrecv.drain` through pyzmq's calls (the fallback)."""
+    n = 0
+    while n < max_msgs:
+        try:
+            out.append(_recv_frames(sock))
+        except zmq.Again:
+            break
+        except zmq.ZMQError as exc:
+            raise OSError(exc.errno, str(exc)) from exc
+        n += 1
+    return n
+
+
+def _drain_compiled(sock: zmq.Socket, max_msgs: int, out: list[list[bytes]]) -> int:
+    return _zmqrecv.drain(sock.underlying, max_msgs, out)
+
+
+try:
+    from kvevents.ingest import _zmqrecv
+
+    _zmqrecv.load()
+    _DRAIN: Callable[[zmq.Socket, int, list[list[bytes]]], int] = _drain_compiled
+except (ImportError, OSError) as _exc:  # not built, or no shared libzmq to borrow
+    log.info("compiled ZeroMQ drain unavailable (%s); receiving through pyzmq", _exc)
+    _DRAIN = _drain_python
 
 
 class Subscriber:
@@ -118,11 +151,15 @@ class Subscriber:
         max_message_bytes: int = 64 << 20,
         context: zmq.Context | None = None,
         raw_tokens: bool = False,
+        compiled_recv: bool = True,
     ) -> None:
         """``raw_tokens``: deliver stored events with their token ids left as raw msgpack
         (see :class:`~kvevents.schema.BatchDecoder`): for consumers that only feed the
-        index, whose compiled core reads them in place."""
+        index, whose compiled core reads them in place. ``compiled_recv``: receive
+        through :mod:`kvevents.ingest._zmqrecv` where it loaded (False: always through
+        pyzmq; both give the same messages)."""
         self._consumer = consumer
+        self._drain = _DRAIN if compiled_recv else _drain_python
         self._replay_timeout = replay_timeout
         self._replay_deadline = replay_deadline
         self._seq_window = seq_window
@@ -269,16 +306,13 @@ class Subscriber:
                 continue
             src, role = entry
             self._busy = src.config.name
-            # Bounded drain per socket so one busy publisher cannot starve the others.
-            for _ in range(1000):
-                try:
-                    frames = _recv_frames(sock)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError as exc:
-                    src.stats.socket_errors += 1
-                    log.warning("receive on %s socket of %s failed: %s", role, src.config.name, exc)
-                    break
+            msgs: list[list[bytes]] = []
+            try:
+                self._drain(sock, _DRAIN_MAX, msgs)  # bounded: see _DRAIN_MAX
+            except OSError as exc:  # what came before the error is still handled
+                src.stats.socket_errors += 1
+                log.warning("receive on %s socket of %s failed: %s", role, src.config.name, exc)
+            for frames in msgs:
                 handled += 1
                 # Progress is liveness: a long drain of a busy publisher is not "stuck".
                 self.heartbeat = time.monotonic()
