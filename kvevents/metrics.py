@@ -62,17 +62,25 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
 from kvevents.fleet_view import FleetView
 
 if TYPE_CHECKING:
     from kvevents.index import LookupResult
+    from kvevents.schema import KVEventBatch
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (
@@ -88,10 +96,8 @@ class AggregatorMetrics:
     def __init__(self, view: FleetView, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._view = view
-        self.event_lag = Histogram(
-            "kvevents_event_lag_seconds", "Time from a batch's timestamp to its application",
-            ENGINE_LABELS, buckets=_LAG_BUCKETS, registry=registry,
-        )
+        self.event_lag = _LagHistogram()
+        registry.register(self.event_lag)
         lookup_labels = ["api", "model_name"]
         self.lookups = Counter("kvevents_lookups", "Lookups served", lookup_labels,
                                registry=registry)
@@ -137,11 +143,11 @@ class AggregatorMetrics:
         return model if model in self._models else ""
 
     def observe_batch(self, engine: str, batch_ts: float) -> None:
-        entry = self._lag_children.get(engine)
-        if entry is None:
-            labels = (engine, self._model_of(engine))
-            entry = self._lag_children[engine] = (labels, self.event_lag.labels(*labels))
-        entry[1].observe(max(0.0, time.time() - batch_ts))  # type: ignore[attr-defined]
+        self.event_lag.observe(engine, self._model_of, time.time() - batch_ts)
+
+    def observe_batches(self, engine: str, batches: list[KVEventBatch]) -> None:
+        """The lag of each of ``batches`` (applied just now), in one call."""
+        self.event_lag.observe_many(engine, self._model_of, time.time(), batches)
 
     def observe_lookup(self, api: str, seconds: float, result: LookupResult,
                        model: str | None = None) -> None:
@@ -165,12 +171,67 @@ class AggregatorMetrics:
     def forget_pod(self, engine: str) -> None:
         """Drop a removed engine's histogram series (the state families drop it by
         themselves: they are built from the engines followed now)."""
-        entry = self._lag_children.pop(engine, None)
-        if entry is not None:
-            try:
-                self.event_lag.remove(*entry[0])
-            except KeyError:
-                pass
+        self.event_lag.forget(engine)
+
+
+class _LagHistogram(Collector):
+    """``kvevents_event_lag_seconds`` {engine, model_name}: a histogram observed once
+    per batch on the ingest thread, at a few hundred ns each (prometheus_client's
+    Histogram takes a lock per bucket and per sum, microseconds per observation at tens
+    of thousands of batches a second). Counts are kept per bucket, not cumulative, and
+    summed at scrape; ``_count`` is the sum of the buckets, so a scrape that races an
+    observation is still a consistent histogram. Written by one thread (the ingest
+    loop); read by scrapes."""
+
+    def __init__(self) -> None:
+        # engine -> [labels, per-bucket counts (last: +Inf), sum of observations]
+        self._series: dict[str, list] = {}
+
+    def _entry(self, engine: str, model_of: Callable[[str], str]) -> list:
+        entry = self._series.get(engine)
+        if entry is None:
+            entry = self._series[engine] = [(engine, model_of(engine)),
+                                            [0] * (len(_LAG_BUCKETS) + 1), 0.0]
+        return entry
+
+    def observe(self, engine: str, model_of: Callable[[str], str], lag: float) -> None:
+        entry = self._entry(engine, model_of)
+        lag = max(0.0, lag)
+        entry[1][bisect_left(_LAG_BUCKETS, lag)] += 1
+        entry[2] += lag
+
+    def observe_many(self, engine: str, model_of: Callable[[str], str], now: float,
+                     batches: list[KVEventBatch]) -> None:
+        entry = self._entry(engine, model_of)
+        counts = entry[1]
+        total = 0.0
+        for b in batches:
+            lag = now - b.ts
+            if lag < 0.0 or lag != lag:  # clock skew, or a publisher's NaN timestamp
+                lag = 0.0
+            counts[bisect_left(_LAG_BUCKETS, lag)] += 1
+            total += lag
+        entry[2] += total
+
+    def forget(self, engine: str) -> None:
+        self._series.pop(engine, None)
+
+    def collect(self) -> Iterator[Metric]:
+        fam = HistogramMetricFamily("kvevents_event_lag_seconds",
+                                    "Time from a batch's timestamp to its application",
+                                    labels=ENGINE_LABELS)
+        for labels, counts, total in list(self._series.values()):
+            cumulative, buckets = 0, []
+            for bound, n in zip((*_LAG_BUCKETS, float("inf")), list(counts)):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            fam.add_metric(list(labels), buckets, total)
+        yield fam
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily("kvevents_event_lag_seconds",
+                                    "Time from a batch's timestamp to its application",
+                                    labels=ENGINE_LABELS)
 
 
 class _StateCollector(Collector):

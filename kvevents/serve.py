@@ -7,6 +7,7 @@ bare exit status.
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import sys
@@ -50,6 +51,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
 GIL_SWITCH_INTERVAL_S = 0.00025
 
 
+# The ingest loop allocates Python containers by the ten thousand a second (decoded
+# events and their lists), and a drain keeps up to a thousand batches alive at once, so
+# the default collector (a young-generation pass every 700 net allocations, a full pass
+# over every object of the process every 100 of those) took a third of the loop's time.
+# What exists once the app is built (modules, FastAPI, pydantic) lives as long as the
+# process: it is frozen out of every pass, and young passes run 14x less often.
+GC_THRESHOLDS = (10_000, 10, 10)
+
+
+def tune_gc() -> None:
+    """Freeze what the process holds now and raise the young-generation threshold
+    (the server's own choice; an application that embeds the aggregator keeps its own
+    settings)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def run_server(settings: AggregatorSettings) -> int:
     """Serve until SIGINT/SIGTERM; the app's lifespan starts and stops the aggregator."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -58,6 +77,7 @@ def run_server(settings: AggregatorSettings) -> int:
     except TokenizerLoadError as exc:  # one line naming the model and file, no traceback
         print(f"kvevents serve: error: {exc}", file=sys.stderr)
         return 2
+    tune_gc()
     sock = bind_socket(settings.host, settings.port)
     for pod in settings.pods:
         log.info("following %s at %s%s", pod.name, pod.endpoint,

@@ -56,6 +56,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvevents.ingest.memory import release_memory
 from kvevents.ingest.signals import (
     BatchesLost,
+    BatchesReceived,
     BatchReceived,
     Consumer,
     GapDetected,
@@ -64,14 +65,14 @@ from kvevents.ingest.signals import (
     Signal,
 )
 from kvevents.ingest.source import SourceConfig, SourceStats, SourceState
-from kvevents.schema import BatchDecoder, PayloadError, peek_batch_ts
+from kvevents.schema import BatchDecoder, DecodeResult, PayloadError, peek_batch_ts
 from kvevents.transport import END_SEQ, pack_seq, unpack_seq
 
 log = logging.getLogger(__name__)
 
 
 __all__ = [
-    "BatchReceived", "BatchesLost", "Consumer", "GapDetected", "PublisherRestarted",
+    "BatchReceived", "BatchesReceived", "BatchesLost", "Consumer", "GapDetected", "PublisherRestarted",
     "Resynced", "Signal", "SourceConfig", "SourceStats", "Subscriber",
 ]
 
@@ -82,9 +83,11 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
 
-#: Most messages taken from one socket per poll, so one busy publisher cannot starve
-#: the others.
+#: Most messages, and bytes, taken from one socket per poll: one busy publisher cannot
+#: starve the others, and a flood of large messages waits in libzmq's bounded queue
+#: (``recv_hwm``), not in Python memory.
 _DRAIN_MAX = 1000
+_DRAIN_MAX_BYTES = 4 << 20
 
 
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
@@ -97,29 +100,33 @@ def _recv_frames(sock: zmq.Socket) -> list[bytes]:
     return frames
 
 
-def _drain_python(sock: zmq.Socket, max_msgs: int, out: list[list[bytes]]) -> int:
+def _drain_python(sock: zmq.Socket, max_msgs: int, max_bytes: int,
+                  out: list[list[bytes]]) -> int:
     """:func:`kvevents.ingest._zmqrecv.drain` through pyzmq's calls (the fallback)."""
-    n = 0
-    while n < max_msgs:
+    n = taken = 0
+    while n < max_msgs and taken < max_bytes:
         try:
-            out.append(_recv_frames(sock))
+            frames = _recv_frames(sock)
         except zmq.Again:
             break
         except zmq.ZMQError as exc:
             raise OSError(exc.errno, str(exc)) from exc
+        out.append(frames)
+        taken += sum(map(len, frames))
         n += 1
     return n
 
 
-def _drain_compiled(sock: zmq.Socket, max_msgs: int, out: list[list[bytes]]) -> int:
-    return _zmqrecv.drain(sock.underlying, max_msgs, out)
+def _drain_compiled(sock: zmq.Socket, max_msgs: int, max_bytes: int,
+                    out: list[list[bytes]]) -> int:
+    return _zmqrecv.drain(sock.underlying, max_msgs, max_bytes, out)
 
 
 try:
     from kvevents.ingest import _zmqrecv
 
     _zmqrecv.load()
-    _DRAIN: Callable[[zmq.Socket, int, list[list[bytes]]], int] = _drain_compiled
+    _DRAIN: Callable[[zmq.Socket, int, int, list[list[bytes]]], int] = _drain_compiled
 except (ImportError, OSError) as _exc:  # not built, or no shared libzmq to borrow
     log.info("compiled ZeroMQ drain unavailable (%s); receiving through pyzmq", _exc)
     _DRAIN = _drain_python
@@ -152,14 +159,23 @@ class Subscriber:
         context: zmq.Context | None = None,
         raw_tokens: bool = False,
         compiled_recv: bool = True,
+        group_batches: bool = False,
     ) -> None:
         """``raw_tokens``: deliver stored events with their token ids left as raw msgpack
         (see :class:`~kvevents.schema.BatchDecoder`): for consumers that only feed the
         index, whose compiled core reads them in place. ``compiled_recv``: receive
         through :mod:`kvevents.ingest._zmqrecv` where it loaded (False: always through
-        pyzmq; both give the same messages)."""
+        pyzmq; both give the same messages). ``group_batches``: deliver consecutive
+        batches of one source taken in one drain of its socket as one
+        :class:`BatchesReceived` instead of one :class:`BatchReceived` each (a source's
+        stats then show them once they were delivered)."""
         self._consumer = consumer
         self._drain = _DRAIN if compiled_recv else _drain_python
+        self._group_batches = group_batches
+        # The group being collected: its source, whether replayed, (seq, DecodeResult)s.
+        self._group_src: SourceState | None = None
+        self._group_replayed = False
+        self._group: list[tuple[int, DecodeResult]] = []
         self._replay_timeout = replay_timeout
         self._replay_deadline = replay_deadline
         self._seq_window = seq_window
@@ -308,7 +324,7 @@ class Subscriber:
             self._busy = src.config.name
             msgs: list[list[bytes]] = []
             try:
-                self._drain(sock, _DRAIN_MAX, msgs)  # bounded: see _DRAIN_MAX
+                self._drain(sock, _DRAIN_MAX, _DRAIN_MAX_BYTES, msgs)  # bounded: see there
             except OSError as exc:  # what came before the error is still handled
                 src.stats.socket_errors += 1
                 log.warning("receive on %s socket of %s failed: %s", role, src.config.name, exc)
@@ -328,8 +344,10 @@ class Subscriber:
                     self._on_live(src, frames)
                 if self._by_socket.get(sock) is None:  # removed while draining
                     break
+            self._flush_group()
         self._busy = None
         self._housekeeping()
+        self._flush_group()  # held-back batches a finished replay released
         if handled == 0 and self._bytes_since_trim >= self._TRIM_AFTER_BYTES:
             # A flood is over: give its freed buffers back to the OS.
             self._bytes_since_trim = 0
@@ -529,6 +547,7 @@ class Subscriber:
     def _restart(self, src: SourceState, seq: int, reason: str) -> None:
         """The publisher is a new process: report it, forget the old stream, keep
         held-back live messages (they are the new process's)."""
+        self._flush_group()  # so stats.last_seq is the last delivered seq
         src.stats.restarts += 1
         last = src.stats.last_seq if src.live_high is None else src.live_high
         self._reset(src)
@@ -657,6 +676,7 @@ class Subscriber:
         if src.replay_deadline is None:
             return  # a late reply to a replay that already ended
         if seq == END_SEQ:
+            self._flush_group()  # so stats.last_seq is the last delivered seq
             last = src.stats.last_seq
             if (last is not None and src.expected is not None and src.replay_start <= last
                     and (src.replay_high is None or src.replay_high < last)):
@@ -720,6 +740,7 @@ class Subscriber:
         if timed_out:
             # Stale replies may still be under way: the next replay gets a fresh DEALER.
             self._close_dealer(src)
+        self._flush_group()  # so stats.last_seq is the last delivered seq
         pending = src.pending
         self._clear_replay(src)
         if timed_out and src.expected is None and not pending:
@@ -765,7 +786,6 @@ class Subscriber:
 
     def _deliver(self, src: SourceState, seq: int, payload: bytes, *, replayed: bool) -> None:
         src.expected = seq + 1
-        src.stats.last_seq = seq
         src.stats.last_received = time.time()
         src.digests.add(seq, payload)
         try:
@@ -773,17 +793,49 @@ class Subscriber:
         except PayloadError as exc:
             # Counted and skipped: the seq is consumed and the rest of the pod's state
             # stays valid (an undecodable batch is not a gap in what we can vouch for).
+            self._flush_group()  # what came before it is delivered first
+            src.stats.last_seq = seq
             src.stats.decode_errors += 1
             log.warning("pod %s: undecodable payload at seq %d skipped: %s",
                         src.config.name, seq, exc)
             return
+        if self._group_batches:
+            if self._group and (self._group_src is not src or self._group_replayed != replayed):
+                self._flush_group()
+            self._group_src = src
+            self._group_replayed = replayed
+            self._group.append((seq, result))
+            return
+        src.stats.last_seq = seq
         src.stats.batches += 1
         src.stats.last_batch_ts = result.batch.ts
         if result.skipped_events:
             src.stats.skipped_events += result.skipped_events
         self._emit(BatchReceived(src.config.name, seq, result.batch, replayed, result.skipped_events))
 
-    def _emit(self, signal: Signal) -> None:
+    def _flush_group(self) -> None:
+        """Deliver the collected group (if any) as one :class:`BatchesReceived`, then
+        show it in the source's stats (so "last_seq reached" means "applied")."""
+        group = self._group
+        if not group:
+            return
+        src = self._group_src
+        assert src is not None
+        self._group = []
+        self._group_src = None
+        skipped = sum(r.skipped_events for _, r in group)
+        self._emit(BatchesReceived(src.config.name, [q for q, _ in group],
+                                   [r.batch for _, r in group], self._group_replayed, skipped),
+                   flush=False)
+        stats = src.stats
+        stats.last_seq = group[-1][0]
+        stats.batches += len(group)
+        stats.last_batch_ts = group[-1][1].batch.ts
+        stats.skipped_events += skipped
+
+    def _emit(self, signal: Signal, *, flush: bool = True) -> None:
+        if flush and self._group:
+            self._flush_group()  # every signal after the batches collected before it
         try:
             self._consumer(signal)
         except Exception:

@@ -57,9 +57,9 @@ def test_drain_returns_whole_messages_in_order(pair, drain):
     got = 0
     deadline = time.monotonic() + 10
     while got < len(MESSAGES) and time.monotonic() < deadline:
-        got += drain(pull, 100, out)
+        got += drain(pull, 100, 1 << 30, out)
     assert out == MESSAGES
-    assert drain(pull, 100, out) == 0  # nothing waiting: returns at once, appends nothing
+    assert drain(pull, 100, 1 << 30, out) == 0  # nothing waiting: returns at once, appends nothing
     assert len(out) == len(MESSAGES)
 
 
@@ -69,16 +69,26 @@ def test_drain_is_bounded(pair, drain):
     msgs = [[b"t", i.to_bytes(8, "big"), b"x" * 100] for i in range(50)]
     _send_all(push, pull, msgs)
     out: list[list[bytes]] = []
-    assert drain(pull, 7, out) == 7
+    assert drain(pull, 7, 1 << 30, out) == 7
     assert out == msgs[:7]
     deadline = time.monotonic() + 10
     while len(out) < 50 and time.monotonic() < deadline:
-        drain(pull, 7, out)
+        drain(pull, 7, 1 << 30, out)
     assert out == msgs
+
+
+@pytest.mark.parametrize("drain", [_drain_compiled, _drain_python], ids=["compiled", "pyzmq"])
+def test_drain_stops_at_the_byte_bound_after_a_whole_message(pair, drain):
+    push, pull = pair
+    msgs = [[b"t", i.to_bytes(8, "big"), b"x" * 1000] for i in range(20)]
+    _send_all(push, pull, msgs)
+    out: list[list[bytes]] = []
+    assert drain(pull, 100, 2500, out) == 3  # 1,009 bytes each: the third crosses 2,500
+    assert out == msgs[:3]
 
 
 def test_error_on_an_invalid_handle_is_an_oserror():
     """A handle libzmq does not know (NULL) raises OSError (ENOTSOCK), never crashes."""
     _zmqrecv.load()
     with pytest.raises(OSError):
-        _zmqrecv.drain(0, 10, [])
+        _zmqrecv.drain(0, 10, 1 << 30, [])

@@ -616,35 +616,55 @@ cdef class Core:
         """Apply one batch's events for pod ``pid`` in order; returns its
         :class:`~kvevents.index.ApplyStats` and adds them to the pod's cumulative
         counters (read with :meth:`pod_counters`), even when an error escapes."""
+        self._reset_batch_counters()
+        try:
+            self._apply_events(pid, events, model)
+        finally:
+            stored, removed, refused = self._accumulate(pid)
+        return ApplyStats(self.c_events, stored, removed, self.c_cleared, self.c_unknown,
+                          self.c_orphans, self.c_ignored, refused)
+
+    def apply_batches(self, int pid, list batches, model):
+        """:meth:`apply` for several consecutive batches of pod ``pid`` (objects with an
+        ``events`` list), in order, in one call; the stats are their sum. An error
+        escapes after the batches before it (and part of its own) were applied."""
+        self._reset_batch_counters()
+        try:
+            for b in batches:
+                self._apply_events(pid, <list?>b.events, model)
+        finally:
+            stored, removed, refused = self._accumulate(pid)
+        return ApplyStats(self.c_events, stored, removed, self.c_cleared, self.c_unknown,
+                          self.c_orphans, self.c_ignored, refused)
+
+    cdef void _reset_batch_counters(self):
         cdef int t
         for t in range(MAX_TIERS):
             self.c_st_ev[t] = self.c_st_bl[t] = self.c_rm_ev[t] = self.c_rm_bl[t] = 0
         for t in range(N_REASONS):
             self.c_refused[t] = 0
         self.c_events = self.c_cleared = self.c_unknown = self.c_orphans = self.c_ignored = 0
-        try:
-            for ev in events:
-                self.c_events += 1
-                tp = type(ev)
-                if tp is RawTokensBlockStored or tp is BlockStored:
-                    if not _full_attention(ev.kv_cache_spec_kind, ev.group_idx):
-                        self.c_ignored += 1
-                        continue
-                    self._stored(pid, ev, model)
-                elif tp is BlockRemoved:
-                    if not _full_attention(None, ev.group_idx):
-                        self.c_ignored += 1
-                        continue
-                    self._removed(pid, ev)
-                elif tp is AllBlocksCleared:
-                    self.clear_pod(pid)
-                    self.c_cleared += 1
-                else:
-                    self._refuse(R_BAD_EVENT, f"not an event: {tp.__name__}")
-        finally:
-            stored, removed, refused = self._accumulate(pid)
-        return ApplyStats(self.c_events, stored, removed, self.c_cleared, self.c_unknown,
-                          self.c_orphans, self.c_ignored, refused)
+
+    cdef int _apply_events(self, int pid, list events, model) except -1:
+        for ev in events:
+            self.c_events += 1
+            tp = type(ev)
+            if tp is RawTokensBlockStored or tp is BlockStored:
+                if not _full_attention(ev.kv_cache_spec_kind, ev.group_idx):
+                    self.c_ignored += 1
+                    continue
+                self._stored(pid, ev, model)
+            elif tp is BlockRemoved:
+                if not _full_attention(None, ev.group_idx):
+                    self.c_ignored += 1
+                    continue
+                self._removed(pid, ev)
+            elif tp is AllBlocksCleared:
+                self.clear_pod(pid)
+                self.c_cleared += 1
+            else:
+                self._refuse(R_BAD_EVENT, f"not an event: {tp.__name__}")
+        return 0
 
     cdef tuple _accumulate(self, int pid):
         cdef int64_t* c = self.tot + pid * NC

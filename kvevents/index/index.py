@@ -151,6 +151,22 @@ class PrefixIndex:
                 self._log_refusal(pod)
         return stats
 
+    def apply_batches(
+        self, pod: str, batches: list[KVEventBatch], model: str | None = None
+    ) -> ApplyStats:
+        """:meth:`apply_batch` for consecutive batches of ``pod``, in order, under one
+        lock and in one core call (the ingest loop's path); the stats are their sum. An
+        exception leaves the batches before the failing one applied."""
+        with self.lock:
+            pid = self._pods.get(pod)
+            if pid is None:
+                pid, salt = self._pods.add(pod)
+                self._core.ensure_pod(pid, salt)
+            stats = self._core.apply_batches(pid, batches, model)
+            if stats.refused_events:
+                self._log_refusal(pod)
+        return stats
+
     def _fold(self, pod: str, pid: int, into: _Counts) -> None:
         """Add pod ``pid``'s cumulative core counters to ``into`` (by pod name)."""
         applied, cleared, unknown, orphans, ignored, refused = self._core.pod_counters(pid)

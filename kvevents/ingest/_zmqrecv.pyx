@@ -110,10 +110,12 @@ def load():
     z_recv = <msg_recv_f>syms[1]  # last: it marks the module loaded
 
 
-def drain(uintptr_t handle, int max_msgs, list out):
+def drain(uintptr_t handle, int max_msgs, Py_ssize_t max_bytes, list out):
     """Append up to ``max_msgs`` whole messages waiting on the socket whose libzmq handle
     is ``handle`` (pyzmq's ``Socket.underlying``) to ``out``, each a list of ``bytes``
-    frames; never waits. Returns how many were appended.
+    frames; never waits. Stops early once the messages taken hold ``max_bytes`` or more
+    (a flood of large messages stays in libzmq's bounded queue, not in Python memory).
+    Returns how many were appended.
 
     Raises ``OSError(errno)`` on a receive error other than "nothing waiting" or an
     interrupt (messages appended before it stay in ``out``). A message's frames arrive
@@ -124,6 +126,7 @@ def drain(uintptr_t handle, int max_msgs, list out):
     cdef void* sock = <void*>handle
     cdef zmq_msg_t msg
     cdef int n = 0, rc, err, more = 0
+    cdef Py_ssize_t taken = 0, size
     cdef list frames
     while n < max_msgs:
         frames = None
@@ -141,8 +144,10 @@ def drain(uintptr_t handle, int max_msgs, list out):
                 raise OSError(err, "zmq_msg_recv failed")
             if frames is None:
                 frames = []
+            size = <Py_ssize_t>z_size(&msg)
+            taken += size
             try:
-                frames.append(PyBytes_FromStringAndSize(<char*>z_data(&msg), z_size(&msg)))
+                frames.append(PyBytes_FromStringAndSize(<char*>z_data(&msg), size))
                 more = z_more(&msg)
             finally:
                 z_close(&msg)  # also when the copy failed (MemoryError): no leaked message
@@ -150,4 +155,6 @@ def drain(uintptr_t handle, int max_msgs, list out):
                 break
         out.append(frames)
         n += 1
+        if taken >= max_bytes:
+            break
     return n

@@ -1,6 +1,8 @@
 """What the subscriber tells its consumer, per source, in stream order.
 
-Contract for a consumer: apply :class:`BatchReceived` in the order given; on
+Contract for a consumer: apply :class:`BatchReceived` (and :class:`BatchesReceived`,
+several consecutive batches in one signal, from a subscriber built with
+``group_batches=True``) in the order given; on
 :class:`PublisherRestarted`, :class:`BatchesLost` and :class:`Resynced` drop that
 source's state (what follows rebuilds it); :class:`GapDetected` is informational (the
 gap is being replayed).
@@ -21,6 +23,20 @@ class BatchReceived:
     batch: KVEventBatch
     replayed: bool = False
     skipped_events: int = 0  # events of this batch that could not be decoded
+
+
+@dataclass(frozen=True, slots=True)
+class BatchesReceived:
+    """Consecutive batches of one source, ``seqs[i]`` for ``batches[i]``, increasing:
+    exactly what one :class:`BatchReceived` each would say, in one call, so a consumer
+    pays its per-call costs (locks, metrics, feeds) once per drain of the socket, not
+    once per batch. Never empty."""
+
+    source: str
+    seqs: list[int]
+    batches: list[KVEventBatch]
+    replayed: bool = False
+    skipped_events: int = 0  # events of these batches that could not be decoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,5 +73,5 @@ class Resynced:
     reason: str
 
 
-Signal = BatchReceived | GapDetected | BatchesLost | PublisherRestarted | Resynced
+Signal = BatchReceived | BatchesReceived | GapDetected | BatchesLost | PublisherRestarted | Resynced
 Consumer = Callable[[Signal], None]
