@@ -36,7 +36,7 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
         min_length=1, description="OpenAI chat messages, rendered with `model`'s chat "
                                   "template (generation prompt added) and tokenized.")] | None = None
     model: Annotated[str, msgspec.Meta(
-        description="Only consider pods serving this model; names the tokenizer for "
+        description="Only consider engines serving this model; names the tokenizer for "
                     "`prompt` and `messages`.")] | None = None
     lora_name: Annotated[str, msgspec.Meta(
         description="LoRA adapter the prompt runs under.")] | None = None
@@ -54,7 +54,7 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class CandidateBody(msgspec.Struct, forbid_unknown_fields=True):
-    pod: str
+    engine: str
     load: LoadBody | None = None
 
 
@@ -62,7 +62,7 @@ class RouteBody(LookupBody, forbid_unknown_fields=True):
     """A prompt to route, with the engines to choose from."""
 
     candidates: Annotated[list[CandidateBody], msgspec.Meta(
-        description="Engines to choose from, with their load; default: every pod not "
+        description="Engines to choose from, with their load; default: every engine not "
                     "down.")] | None = None
 
 
