@@ -209,6 +209,52 @@ def test_openapi_documents_the_api(fleet):
     assert {"token_ids", "prompt", "messages"} <= set(body["properties"])
 
 
+def test_old_pod_paths_and_fields_still_answer(fleet):
+    """Engines were called pods: /v1/pods... and a route candidate's ``pod`` field still
+    work (same handlers, new names in the answers), and OpenAPI marks them deprecated."""
+    srv, _, _ = fleet
+    url, auth = srv.url, {"Authorization": "Bearer s3cret"}
+    names = lambda path: [p["name"] for p in httpx.get(f"{url}{path}").json()["engines"]]  # noqa: E731
+    assert names("/v1/pods") == names("/v1/engines") == ["a", "b"]
+    c = Pub(legacy=False)
+    try:
+        new = {"name": "c", "endpoint": f"tcp://127.0.0.1:{c.live}", "model": "m"}
+        assert httpx.post(f"{url}/v1/pods", json=new).status_code == 401  # still guarded
+        r = httpx.post(f"{url}/v1/pods", headers=auth, json=new)
+        assert r.status_code == 201 and r.json()["name"] == "c", r.text
+        assert names("/v1/engines") == ["a", "b", "c"]
+        c.send(BlockStored([77], None, Q[:4], BS, None, "GPU", None))
+        assert wait_until(lambda: httpx.get(f"{url}/v1/pods/c/blocks").json()
+                          == {"engine": "c", "tiers": {"GPU": [77]}}, 10)
+        assert httpx.delete(f"{url}/v1/pods/c", headers=auth).status_code == 204
+        assert names("/v1/engines") == ["a", "b"]
+        assert httpx.get(f"{url}/v1/pods/c/blocks").status_code == 404
+    finally:
+        c.pub.shutdown(0.5)
+
+    def route(candidates):
+        return httpx.post(f"{url}/v1/route", json={"token_ids": P, "candidates": candidates})
+
+    r = route([{"pod": "b"}, {"engine": "a", "load": {"running": 1}}])
+    assert r.status_code == 200 and {s["engine"] for s in r.json()["scores"]} == {"a", "b"}, r.text
+    for bad, field in (([{"pod": "a", "engine": "a"}], "candidates[0].engine"),
+                       ([{"load": {"running": 1}}], "candidates[0].engine"),
+                       ([{"pod": "zz"}], "candidates[0].engine")):
+        r = route(bad)
+        assert r.status_code == 422 and r.json()["field"] == field, r.text
+
+    spec = httpx.get(f"{url}/openapi.json").json()
+    paths = spec["paths"]
+    for path, methods in (("/v1/pods", ("get", "post")), ("/v1/pods/{name}", ("delete",)),
+                          ("/v1/pods/{name}/blocks", ("get",))):
+        new_path = path.replace("/v1/pods", "/v1/engines")
+        for m in methods:
+            assert paths[path][m].get("deprecated") is True, (path, m)
+            assert not paths[new_path][m].get("deprecated"), (new_path, m)
+    candidate = spec["components"]["schemas"]["CandidateBody"]["properties"]
+    assert candidate["pod"].get("deprecated") is True and "deprecated" not in candidate["engine"]
+
+
 def test_handlers_never_block_the_event_loop_on_the_index_lock():
     """While the ingest side holds the index lock, a lookup waits in a worker thread
     and the event loop keeps answering (an async route here: the OpenAPI schema)."""

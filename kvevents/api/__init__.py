@@ -57,6 +57,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(routes_ops.router)
     app.include_router(routes_engines.router)
+    app.include_router(routes_engines.legacy_router)
     app.include_router(routes_query.router)
     app.include_router(routes_route.router)
     app.include_router(routes_snapshot.router)

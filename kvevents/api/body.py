@@ -54,8 +54,25 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class CandidateBody(msgspec.Struct, forbid_unknown_fields=True):
-    engine: str
+    """One engine to choose from. ``pod`` is the old name of ``engine`` (engines were
+    called pods), still accepted; exactly one of the two is required."""
+
+    engine: Annotated[str | None, msgspec.Meta(description="The engine's name.")] = None
     load: LoadBody | None = None
+    pod: Annotated[str | None, msgspec.Meta(
+        description="Deprecated: the old name of `engine`.",
+        extra_json_schema={"deprecated": True})] = None
+
+    def __post_init__(self) -> None:
+        # Raised here, msgspec reports it at this candidate's path ("candidates[i]"),
+        # and _field() appends the field named in backticks.
+        if self.engine is None:
+            if self.pod is None:
+                raise ValueError("Object missing required field `engine`")
+            self.engine = self.pod
+        elif self.pod is not None:
+            raise ValueError("both field `engine` and its old name `pod` given: give `engine` only")
+        self.pod = None
 
 
 class RouteBody(LookupBody, forbid_unknown_fields=True):
