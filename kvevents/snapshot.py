@@ -84,7 +84,7 @@ def encode(snap: Snapshot) -> bytes:
     meta = json.dumps({
         "created": snap.created,
         "engines": {name: {"spec": a.spec, "last_seq": a.last_seq, "last_ts": a.last_ts}
-                 for name, a in snap.engines.items()},
+                    for name, a in snap.engines.items()},
     }, allow_nan=False).encode()
     digest = hashlib.blake2b(meta + snap.state, digest_size=32).digest()
     return _HEADER.pack(MAGIC, VERSION, len(meta), len(snap.state), digest) + meta + snap.state
@@ -109,8 +109,10 @@ def decode(data: bytes) -> Snapshot:
         raise SnapshotError("checksum mismatch (corrupt file)")
     try:
         meta = json.loads(bytes(body[:meta_len]))
+        # "pods": the key of snapshots written before engines were called engines.
+        anchors = meta["engines"] if "engines" in meta else meta["pods"]
         engines = {name: EngineAnchor(p["spec"], p["last_seq"], p["last_ts"])
-                for name, p in meta["engines"].items()}
+                   for name, p in anchors.items()}
         created = float(meta["created"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"bad metadata: {exc}") from None

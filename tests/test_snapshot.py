@@ -52,6 +52,30 @@ def test_round_trip_and_every_corruption_is_detected(tmp_path):
             snapshot.decode(bad)
 
 
+def test_snapshot_written_before_the_engine_rename_still_loads():
+    """Snapshots of earlier versions key engines as "pods" (in the meta and the index
+    state): the same format version, so they must still restore."""
+    import hashlib
+    import json
+
+    import msgspec
+
+    snap = sample_snapshot()
+    doc = msgspec.msgpack.decode(snap.state)
+    doc["pods"] = doc.pop("engines")
+    old_state = msgspec.msgpack.encode(doc)
+    meta = json.dumps({"created": 123.0, "pods": {"p": {
+        "spec": snap.engines["p"].spec, "last_seq": 7, "last_ts": 1.0}}}).encode()
+    digest = hashlib.blake2b(meta + old_state, digest_size=32).digest()
+    data = snapshot._HEADER.pack(snapshot.MAGIC, snapshot.VERSION, len(meta), len(old_state),
+                                 digest) + meta + old_state
+    back = snapshot.decode(data)
+    assert back.engines["p"].last_seq == 7
+    idx = PrefixIndex()
+    idx.import_state(back.state)
+    assert idx.engines() == ["p"] and idx.engine_block_counts("p") == {"GPU": 2}
+
+
 def test_atomic_write_keeps_one_previous_and_falls_back_to_it(tmp_path):
     first, second = sample_snapshot(), sample_snapshot()
     snapshot.write(tmp_path, snapshot.encode(first))

@@ -53,7 +53,8 @@ def import_state(index: PrefixIndex, data: bytes) -> None:
                              f"expected {FORMAT_VERSION}")
         core = Core(*index._limits)
         core.import_state(doc["core"])
-        engines = EngineRegistry.restore(doc["engines"])
+        # "pods": the key of states written before engines were called engines.
+        engines = EngineRegistry.restore(doc["engines"] if "engines" in doc else doc["pods"])
         for pid, name in enumerate(engines.names):
             if name is not None and (pid >= len(core.pod_orig) or core.pod_orig[pid] is None
                                      or pid >= 64 * core.W):
