@@ -12,7 +12,7 @@ The facade owns what is per engine *name* (ids, counters kept across drops) and 
 
 Namespaces: (model, block size, LoRA name) roots keep blocks apart; ``model`` is the
 one ``apply_batch`` was given for the engine (events do not carry it). Their number is
-capped in total and per engine; media (tiers) are capped too. An event beyond a cap, or
+capped in total and per engine; tiers are capped too. An event beyond a cap, or
 with hashes or tokens of the wrong type or range, is refused whole, counted by reason
 (``counters().refused_events``) and logged at most once a minute per engine and reason;
 the rest of its batch applies.
@@ -109,7 +109,7 @@ class PrefixIndex:
         """``keep_tokens``: keep the tokens of the blocks within each sequence's first
         64 tokens (what ``top_prefixes`` and ``blocks_by_engine_hash`` show).
         ``max_namespaces`` / ``max_namespaces_per_engine``: caps on distinct (model, block
-        size, LoRA) namespaces; ``max_tiers``: cap on distinct media (at most 8);
+        size, LoRA) namespaces; ``max_tiers``: cap on distinct tiers (at most 8);
         ``max_block_sizes``: cap on block sizes per (model, LoRA), which bounds what a
         lookup tries."""
         self.lock = threading.Lock()
@@ -265,7 +265,8 @@ class PrefixIndex:
         return queries.engine_hashes(self, engine)
 
     def engine_block_counts(self, engine: str) -> dict[str, int]:
-        """Resident blocks of ``engine`` per tier (medium name); {} for an unknown engine."""
+        """Resident blocks of ``engine`` per tier (e.g. "GPU", "CPU"); {} for an unknown
+        engine."""
         with self.lock:
             pid = self._engines.get(engine)
             if pid is None:

@@ -13,7 +13,7 @@ class EngineMatch(msgspec.Struct, gc=False):
     """How much of a prompt one engine holds.
 
     ``tokens``: leading prompt tokens whose blocks the engine holds in *some* tier (a block
-    counts when any tier has it). ``tiers``: per tier (medium name, e.g. "GPU", "CPU"),
+    counts when any tier has it). ``tiers``: per tier (vLLM's ``medium``, e.g. "GPU", "CPU"),
     that tier's own leading run in tokens; only tiers with a run > 0 appear.
     ``block_size``: the block size of the namespace that matched.
     """
@@ -118,7 +118,7 @@ class IndexCounters(msgspec.Struct, gc=False):
     current sizes. Per-engine dicts are keyed by engine name. ``applied`` has one row per
     (engine, tier, event type); AllBlocksCleared rows have tier "*". ``refused_events``:
     per engine, events refused by reason (see ``kvevents.index.REFUSAL_REASONS``).
-    ``namespaces`` / ``tiers``: namespaces and media known (both capped)."""
+    ``namespaces`` / ``tiers``: namespaces and tiers known (both capped)."""
 
     applied: list[EventCount]
     unknown_removals: dict[str, int]

@@ -120,7 +120,7 @@ def test_bad_events_are_refused_whole_and_counted():
 
 
 def test_namespace_and_tier_caps():
-    """Namespaces (model, block size, LoRA) and media are capped: beyond a cap events
+    """Namespaces (model, block size, LoRA) and tiers are capped: beyond a cap events
     are refused and counted; nothing overflows and lookups stay on their namespace."""
     idx = PrefixIndex(max_namespaces=8, max_namespaces_per_engine=4, max_tiers=3)
     for i in range(10):  # ten LoRA names on one engine: 4 fit
@@ -133,8 +133,8 @@ def test_namespace_and_tier_caps():
     assert c.namespaces == 8 and c.refused_events["d"] == {"namespace_limit": 2}
     assert [p.engine for p in idx.lookup([1, 2, 3, 4], lora_name="l2").engines] == ["a"]
     assert idx.lookup([1, 2, 3, 4], lora_name="l7").engines == []
-    for medium in ("CPU", "DISK", "EXTERNAL", "X"):  # GPU + 2 more fit
-        idx.apply_batch("b", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], medium=medium,
+    for tier in ("CPU", "DISK", "EXTERNAL", "X"):  # GPU + 2 more fit
+        idx.apply_batch("b", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], medium=tier,
                                                         lora_name="xb")]))
     assert idx.counters().refused_events["b"] == {"tier_limit": 2}
     assert idx.counters().tiers == ["GPU", "CPU", "DISK"]
