@@ -297,7 +297,7 @@ def generate(cfg: TraceConfig, workdir: str, log: bool = True) -> dict[str, str]
     enc = BatchEncoder()
     target = int(cfg.engines * cfg.capacity * (1 + cfg.steady))
     per_engine = {e.name: {"batches": 0, "events": 0, "stored_blocks": 0, "removed_blocks": 0}
-               for e in engines}
+                  for e in engines}
     recent: deque = deque(maxlen=400)
     recent_long: deque = deque(maxlen=64)
     kinds: dict[str, int] = {}

@@ -161,7 +161,7 @@ class Aggregator:
             state = self.index.export_state()
             anchors = dict(self._anchors)
         engines = {name: snapshot.EngineAnchor(spec, *anchors.get(name, (None, None)))
-                for name, spec in specs.items()}
+                   for name, spec in specs.items()}
         return snapshot.encode(snapshot.Snapshot(time.time(), engines, state))
 
     def save_snapshot(self) -> bool:
@@ -258,7 +258,7 @@ class Aggregator:
     # -- engines ------------------------------------------------------------------------
 
     def add_engine(self, spec: EngineSpec,
-                resume: tuple[EngineSpec, snapshot.EngineAnchor] | None = None) -> None:
+                   resume: tuple[EngineSpec, snapshot.EngineAnchor] | None = None) -> None:
         """Follow a new publisher. Raises :class:`EngineExistsError` for a taken name.
         ``resume``: its state was restored up to the anchor; continue after it."""
         with self._engines_lock:

@@ -314,7 +314,7 @@ class _StateCollector(Collector):
         loop_errors.add_metric([], health["loop_errors"])
         yield loop_errors
         max_engines = GaugeMetricFamily("kvevents_ingest_max_engines",
-                                     "Engines the socket/file budget allows")
+                                        "Engines the socket/file budget allows")
         max_engines.add_metric([], view.budget.max_engines)
         yield max_engines
         yield resident

@@ -85,7 +85,7 @@ def test_aggregator_metrics_are_clean_safe_and_pruned():
                                             replay_endpoint=f"tcp://*:{replay}"))
     settings = AggregatorSettings(engines=(
         EngineSpec("engine-0", f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
-                model="llama"),
+                   model="llama"),
         EngineSpec("engine-1", f"tcp://127.0.0.1:{free_port()}", model="llama")))
     with ServerThread(create_app(settings)) as srv:
         url = srv.url

@@ -16,7 +16,7 @@ def test_prometheus_scrapes_aggregator_metrics(tmp_path):
     live, replay = free_port(), free_port()
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{live}", replay_endpoint=f"tcp://*:{replay}"))
     settings = AggregatorSettings(engines=(EngineSpec("engine-0", f"tcp://127.0.0.1:{live}",
-                                                replay_endpoint=f"tcp://127.0.0.1:{replay}"),))
+                                                      replay_endpoint=f"tcp://127.0.0.1:{replay}"),))
     with ServerThread(create_app(settings)) as srv:
         prom = PrometheusServer(tmp_path, {"kvevents": [f"127.0.0.1:{srv.port}"]}, binary)
         try:

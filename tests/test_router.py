@@ -121,7 +121,7 @@ def server():
     live = free_port()
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{live}"))
     settings = AggregatorSettings(engines=(EngineSpec("a", f"tcp://127.0.0.1:{live}"),
-                                        EngineSpec("b", f"tcp://127.0.0.1:{free_port()}")))
+                                           EngineSpec("b", f"tcp://127.0.0.1:{free_port()}")))
     with ServerThread(create_app(settings)) as srv:
         time.sleep(0.4)
         pub.publish(KVEventBatch(time.time(), [BlockStored([1, 2], None, PROMPT[:32], 16, None, "GPU", None)]))

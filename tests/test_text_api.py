@@ -51,7 +51,7 @@ def fleet(tokdirs):
                                             replay_endpoint=f"tcp://*:{replay}"))
     settings = AggregatorSettings(
         engines=(EngineSpec("engine-0", f"tcp://127.0.0.1:{live}",
-                      replay_endpoint=f"tcp://127.0.0.1:{replay}", model="m"),),
+                            replay_endpoint=f"tcp://127.0.0.1:{replay}", model="m"),),
         tokenizers=(("m", str(chat_dir)), ("plain", str(plain_dir))))
     with ServerThread(create_app(settings)) as srv:
         assert wait_until(lambda: httpx.get(f"{srv.url}/v1/engines").json()["engines"][0]["connected"], 10)

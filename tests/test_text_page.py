@@ -36,7 +36,7 @@ def test_live_page_shows_prefix_text(tmp_path):
     plain = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{plain_live}"))
     settings = AggregatorSettings(
         engines=(EngineSpec("engine-0", f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
-                      model="m"),
+                            model="m"),
               EngineSpec("engine-1", f"tcp://127.0.0.1:{plain_live}", model="other")),
         tokenizers=(("m", str(tokdir)),))
     browser = None

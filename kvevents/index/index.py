@@ -221,7 +221,7 @@ class PrefixIndex:
         try:
             spaces = self._spaces(model, lora_name)
             engines_out = self._core.lookup(token_ids, spaces, self._engines.names,
-                                         self._engines.rank(), EngineMatch) if spaces else []
+                                            self._engines.rank(), EngineMatch) if spaces else []
         finally:
             self.lock.release()
         block_size = engines_out[0].block_size if engines_out else (spaces[0][1] if spaces else 0)

@@ -143,7 +143,7 @@ def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> lis
                 continue
             _k, parent, depth, ns, _t = core.slot_info(slot)
             engines = sorted(index._engines.names[p] for p in core.holders(slot)
-                          if index._engines.names[p] is not None)
+                             if index._engines.names[p] is not None)
             mdl, bs, lora = core.ns_info[ns]
         # Walk to the root (WALK_STEPS blocks per lock hold): marks the sub-prefixes,
         # collects the leading tokens. A block freed meanwhile ends the walk.

@@ -128,7 +128,7 @@ def test_namespace_and_tier_caps():
     assert idx.counters().refused_events["a"] == {"namespace_limit": 6}
     for engine in ("b", "c", "d"):  # total cap: 8
         idx.apply_batch(engine, KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], lora_name=f"x{engine}"),
-                                                _stored([2], None, [1, 2, 3, 4], lora_name=f"y{engine}")]))
+                                                   _stored([2], None, [1, 2, 3, 4], lora_name=f"y{engine}")]))
     c = idx.counters()
     assert c.namespaces == 8 and c.refused_events["d"] == {"namespace_limit": 2}
     assert [p.engine for p in idx.lookup([1, 2, 3, 4], lora_name="l2").engines] == ["a"]
