@@ -40,6 +40,8 @@ class EngineRegistry:
             self.names.append(name)
         self.ids[name] = pid
         self._rank = None
+        # The salt's domain string predates the engine naming: it is part of every
+        # stored entry's key (and of snapshots), so it stays as it is.
         return pid, digest64("kvevents-pod", name)
 
     def remove(self, name: str) -> int | None:
