@@ -105,13 +105,17 @@ class PrefixIndex:
         max_namespaces_per_engine: int = 256,
         max_tiers: int = 8,
         max_block_sizes: int = 8,
+        max_namespaces_per_pod: int | None = None,
     ) -> None:
         """``keep_tokens``: keep the tokens of the blocks within each sequence's first
         64 tokens (what ``top_prefixes`` and ``blocks_by_engine_hash`` show).
         ``max_namespaces`` / ``max_namespaces_per_engine``: caps on distinct (model, block
         size, LoRA) namespaces; ``max_tiers``: cap on distinct tiers (at most 8);
         ``max_block_sizes``: cap on block sizes per (model, LoRA), which bounds what a
-        lookup tries."""
+        lookup tries. ``max_namespaces_per_pod``: deprecated old name of
+        ``max_namespaces_per_engine`` (engines were called pods), used when given."""
+        if max_namespaces_per_pod is not None:
+            max_namespaces_per_engine = max_namespaces_per_pod
         self.lock = threading.Lock()
         self._limits = (keep_tokens, max_namespaces, max_namespaces_per_engine, max_tiers,
                         max_block_sizes)

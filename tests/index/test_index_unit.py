@@ -140,6 +140,15 @@ def test_namespace_and_tier_caps():
     assert idx.counters().tiers == ["GPU", "CPU", "DISK"]
 
 
+def test_old_per_pod_namespace_cap_keyword_still_applies():
+    """``max_namespaces_per_pod`` (documented before engines were called engines) is
+    still accepted and caps like ``max_namespaces_per_engine``."""
+    idx = PrefixIndex(max_namespaces_per_pod=2)
+    for i in range(5):
+        idx.apply_batch("a", KVEventBatch(0.0, [_stored([i], None, [1, 2, 3, 4], lora_name=f"l{i}")]))
+    assert idx.counters().refused_events["a"] == {"namespace_limit": 3}
+
+
 def test_sglang_shapes_signed_hashes_and_pinned_cpu():
     """SGLang sends signed int64 hashes and CPU_PINNED for its host tier: the index
     folds CPU_PINNED into the CPU tier and hands hashes back as sent."""
