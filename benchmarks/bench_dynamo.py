@@ -10,13 +10,13 @@ cached in ``--workdir``. Three measurements, both sides in the same invocation:
   benchmarks/dynamo_side.py + ``RadixTree.apply_event``; Dynamo's apply-only rate on
   pre-converted JSON is shown too); then lookup p50/p99 at 2,048 and 32,768 tokens,
   alternating per prompt, every answer checked against the other side and against the
-  generator's truth (matched blocks per pod);
-* ``memory``: RSS growth / resident (pod, block) entries, each side alone in a fresh
+  generator's truth (matched blocks per engine);
+* ``memory``: RSS growth / resident (engine, block) entries, each side alone in a fresh
   subprocess that streams the trace from disk;
 * ``e2e``: see benchmarks/bench_dynamo_e2e.py.
 
-    .venv-bench/bin/python benchmarks/bench_dynamo.py inproc --pods 16 --capacity 20000 --runs 3
-    .venv-bench/bin/python benchmarks/bench_dynamo.py memory --pods 64 --capacity 50000
+    .venv-bench/bin/python benchmarks/bench_dynamo.py inproc --engines 16 --capacity 20000 --runs 3
+    .venv-bench/bin/python benchmarks/bench_dynamo.py memory --engines 64 --capacity 50000
 """
 
 from __future__ import annotations
@@ -48,16 +48,16 @@ def ours_ingest(records: list[tuple[str, bytes]]) -> tuple[PrefixIndex, float]:
     dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
     idx = PrefixIndex()
     t0 = time.perf_counter()
-    for pod, payload in records:
-        idx.apply_batch(pod, dec.decode(payload).batch, model=MODEL)
+    for engine, payload in records:
+        idx.apply_batch(engine, dec.decode(payload).batch, model=MODEL)
     return idx, time.perf_counter() - t0
 
 
 def dynamo_ingest(records: list[tuple[str, bytes]]) -> tuple[DynamoFeeder, float]:
     feed = DynamoFeeder()
     t0 = time.perf_counter()
-    for pod, payload in records:
-        feed.apply(pod, payload)
+    for engine, payload in records:
+        feed.apply(engine, payload)
     feed.barrier()
     return feed, time.perf_counter() - t0
 
@@ -67,7 +67,7 @@ def dynamo_apply_only(records: list[tuple[str, bytes]]) -> float:
     from dynamo_side import worker_id
 
     conv = DynamoFeeder()
-    events = [(worker_id(pod), ev) for pod, payload in records for ev in conv.convert(payload)]
+    events = [(worker_id(engine), ev) for engine, payload in records for ev in conv.convert(payload)]
     feed = DynamoFeeder()
     apply = feed.tree.apply_event
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def dynamo_apply_only(records: list[tuple[str, bytes]]) -> float:
 
 def ours_answer(idx: PrefixIndex, tokens: list[int]) -> dict[str, int]:
     r = idx.lookup(tokens, model=MODEL)
-    return {p.pod: p.tokens // BS for p in r.pods if p.tokens}
+    return {p.engine: p.tokens // BS for p in r.engines if p.tokens}
 
 
 def lookups(idx: PrefixIndex, feed: DynamoFeeder, resident, prompts, n: int) -> dict:
@@ -159,13 +159,13 @@ def memory_worker(side: str, trace: str, resident_entries: int) -> dict:
     if side == "ours":
         dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
         idx = PrefixIndex()
-        for pod, payload in read(trace):
-            idx.apply_batch(pod, dec.decode(payload).batch, model=MODEL)
+        for engine, payload in read(trace):
+            idx.apply_batch(engine, dec.decode(payload).batch, model=MODEL)
         entries = idx.counters().resident_entries
     else:
         feed = DynamoFeeder()
-        for pod, payload in read(trace):
-            feed.apply(pod, payload)
+        for engine, payload in read(trace):
+            feed.apply(engine, payload)
         feed.barrier()
         entries = resident_entries
     gc.collect()
@@ -191,7 +191,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["inproc", "memory", "memory-worker"])
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
-    ap.add_argument("--pods", type=int, default=16)
+    ap.add_argument("--engines", type=int, default=16)
     ap.add_argument("--capacity", type=int, default=20_000)
     ap.add_argument("--steady", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=0)
@@ -210,11 +210,11 @@ def main() -> None:
     if not available():
         sys.exit("ai-dynamo-runtime is not installed in this interpreter (see benchmarks/README.md)")
     print(f"kvevents from {kvevents.__file__}", file=sys.stderr)
-    cfg = TraceConfig(a.pods, a.capacity, a.steady, a.seed)
+    cfg = TraceConfig(a.engines, a.capacity, a.steady, a.seed)
     paths = generate(cfg, a.workdir)
     with open(paths["meta"]) as f:
         meta = json.load(f)
-    shape = f"{cfg.pods} pods x {cfg.capacity:,} blocks"
+    shape = f"{cfg.engines} engines x {cfg.capacity:,} blocks"
     print(f"{shape}: {meta['requests']:,} requests, {meta['events']:,} events, "
           f"{meta['block_events']:,} block events, {meta['resident_entries']:,} resident",
           file=sys.stderr)
@@ -232,14 +232,14 @@ def main() -> None:
                          f"wrong vs truth: ours {lk['mismatches_vs_truth']['ours']}, "
                          f"dynamo {lk['mismatches_vs_truth']['dynamo']}"])
     else:
-        rows = [["bytes per resident (pod, block) entry", result["ours"]["bytes_per_entry"],
+        rows = [["bytes per resident (engine, block) entry", result["ours"]["bytes_per_entry"],
                  result["dynamo"]["bytes_per_entry"], f"{result['ratio']}x",
                  f"{result['ours']['resident_entries']:,} entries"]]
     print(f"\n{shape} (ours / Dynamo 1.6.1, same run)")
     print_table(["measure", "ours", "dynamo", "ratio", "note"], rows)
-    path = a.json or f"benchmarks/results/dynamo-{a.mode}-p{cfg.pods}-c{cfg.capacity}.json"
+    path = a.json or f"benchmarks/results/dynamo-{a.mode}-p{cfg.engines}-c{cfg.capacity}.json"
     write_json(path, {"benchmark": f"side by side with Dynamo: {a.mode}", "machine": machine(),
-                      "kvevents": kvevents.__file__, "trace": meta | {"per_pod": None},
+                      "kvevents": kvevents.__file__, "trace": meta | {"per_engine": None},
                       "args": vars(a), "result": result})
 
 

@@ -6,14 +6,14 @@ consumers) re-executes itself inside ``unshare -n`` (a network namespace whose o
 interface is loopback, brought up with ``ip link set lo up``); our side runs in that
 same namespace. Needs root (or user namespaces) and the bench venv.
 
-Each run starts 8 fresh publisher processes. Each owns ``pods / 8`` pods of the trace
-(benchmarks/kvtrace.py), one PUB socket per pod bound on 127.0.0.1 (unbounded send
-queue: this measures the consumer), and replays its pods' batches in trace order with
+Each run starts 8 fresh publisher processes. Each owns ``engines / 8`` engines of the trace
+(benchmarks/kvtrace.py), one PUB socket per engine bound on 127.0.0.1 (unbounded send
+queue: this measures the consumer), and replays its engines' batches in trace order with
 vLLM framing ``[topic, seq, payload]`` as fast as it can once told to go. The consumer
-follows all the pods. The clock runs from "go" until the consumer says it applied
+follows all the engines. The clock runs from "go" until the consumer says it applied
 everything, asked its own way:
 
-* ours: ``GET /v1/pods`` shows every pod at its last seq and holding exactly the
+* ours: ``GET /v1/engines`` shows every engine at its last seq and holding exactly the
   generator's final resident block count (so the last batch is applied too);
 * Dynamo: ``GET /metrics``: ``dynamo_kvrouter_kv_cache_events_applied`` summed over
   event types and statuses equals the trace's event count (non-"ok" statuses reported).
@@ -24,7 +24,7 @@ rate); the time reported is the midpoint between the last "not yet" and the firs
 
 Then both are asked for the lookup prompts over HTTP and checked against the truth.
 
-    .venv-bench/bin/python benchmarks/bench_dynamo_e2e.py --pods 16 --capacity 20000 --runs 3
+    .venv-bench/bin/python benchmarks/bench_dynamo_e2e.py --engines 16 --capacity 20000 --runs 3
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import zmq  # noqa: E402
 
 import kvevents  # noqa: E402
 from common import machine, median, print_table, write_json  # noqa: E402
-from dynamo_side import pod_name, worker_id  # noqa: E402
+from dynamo_side import engine_name, worker_id  # noqa: E402
 from kvevents.transport import pack_seq  # noqa: E402
 from kvtrace import BS, TraceConfig, expected_blocks, generate, load_truth, read  # noqa: E402
 
@@ -61,23 +61,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _publisher(trace: str, pods: list[str], ready, go, stop) -> None:
-    """Bind one PUB per pod, report ports, replay on ``go``, linger until ``stop``."""
-    mine = set(pods)
-    records = [(pod, payload) for pod, payload in read(trace) if pod in mine]
+def _publisher(trace: str, engines: list[str], ready, go, stop) -> None:
+    """Bind one PUB per engine, report ports, replay on ``go``, linger until ``stop``."""
+    mine = set(engines)
+    records = [(engine, payload) for engine, payload in read(trace) if engine in mine]
     ctx = zmq.Context()
     socks, ports = {}, {}
-    for pod in pods:
+    for engine in engines:
         s = ctx.socket(zmq.PUB)
         s.setsockopt(zmq.SNDHWM, 0)
-        ports[pod] = s.bind_to_random_port("tcp://127.0.0.1")
-        socks[pod] = s
+        ports[engine] = s.bind_to_random_port("tcp://127.0.0.1")
+        socks[engine] = s
     ready.put(ports)
     go.wait(120)
-    seq = dict.fromkeys(pods, 0)
-    for pod, payload in records:
-        socks[pod].send_multipart((b"", pack_seq(seq[pod]), payload), copy=False)
-        seq[pod] += 1
+    seq = dict.fromkeys(engines, 0)
+    for engine, payload in records:
+        socks[engine].send_multipart((b"", pack_seq(seq[engine]), payload), copy=False)
+        seq[engine] += 1
     stop.wait(900)
     for s in socks.values():
         s.close(linger=0)
@@ -112,32 +112,32 @@ class _Ours:
     cwd = os.path.dirname(os.path.dirname(os.path.abspath(kvevents.__file__)))
 
     def __init__(self, meta: dict, truth_counts: dict[str, int]) -> None:
-        self.last = {p: c["batches"] - 1 for p, c in meta["per_pod"].items()}
+        self.last = {p: c["batches"] - 1 for p, c in meta["per_engine"].items()}
         self.truth = truth_counts
 
     def command(self, port: int, ports: dict[str, int], threads: int) -> list[str]:
         cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--port", str(port)]
-        for pod, p in sorted(ports.items()):
-            cmd += ["--endpoint", f"{pod}=tcp://127.0.0.1:{p}"]
+        for engine, p in sorted(ports.items()):
+            cmd += ["--endpoint", f"{engine}=tcp://127.0.0.1:{p}"]
         return cmd
 
     def ready(self, port: int) -> bool:
-        pods = json.loads(_http(port, "/v1/pods"))["pods"]
-        return len(pods) == len(self.last) and all(p["connected"] for p in pods)
+        engines = json.loads(_http(port, "/v1/engines"))["engines"]
+        return len(engines) == len(self.last) and all(p["connected"] for p in engines)
 
     def done(self, port: int) -> bool:
-        pods = json.loads(_http(port, "/v1/pods"))["pods"]
+        engines = json.loads(_http(port, "/v1/engines"))["engines"]
         return all(p["last_seq"] == self.last[p["name"]]
-                   and p["blocks"].get("GPU", 0) == self.truth[p["name"]] for p in pods)
+                   and p["blocks"].get("GPU", 0) == self.truth[p["name"]] for p in engines)
 
     def report(self, port: int) -> dict:
-        pods = json.loads(_http(port, "/v1/pods"))["pods"]
-        return {"lost_batches": sum(p["lost_batches"] for p in pods),
-                "malformed": sum(p["malformed"] for p in pods)}
+        engines = json.loads(_http(port, "/v1/engines"))["engines"]
+        return {"lost_batches": sum(p["lost_batches"] for p in engines),
+                "malformed": sum(p["malformed"] for p in engines)}
 
     def lookup(self, port: int, tokens: list[int]) -> dict[str, int]:
         r = json.loads(_http(port, "/v1/lookup", {"token_ids": tokens}))
-        return {p["pod"]: p["matched_tokens"] // BS for p in r["pods"] if p["matched_tokens"]}
+        return {p["engine"]: p["matched_tokens"] // BS for p in r["engines"] if p["matched_tokens"]}
 
 
 class _Dynamo:
@@ -146,16 +146,16 @@ class _Dynamo:
 
     def __init__(self, meta: dict, truth_counts: dict[str, int]) -> None:
         self.events = meta["events"]
-        self.pods = len(meta["per_pod"])
+        self.engines = len(meta["per_engine"])
 
     def command(self, port: int, ports: dict[str, int], threads: int) -> list[str]:
-        workers = ",".join(f"{worker_id(pod)}=tcp://127.0.0.1:{p}" for pod, p in sorted(ports.items()))
+        workers = ",".join(f"{worker_id(engine)}=tcp://127.0.0.1:{p}" for engine, p in sorted(ports.items()))
         return [sys.executable, "-m", "dynamo.indexer", "--port", str(port), "--block-size", str(BS),
                 "--threads", str(threads), "--workers", workers]
 
     def ready(self, port: int) -> bool:
         ws = json.loads(_http(port, "/workers"))
-        return len(ws) == self.pods and all(
+        return len(ws) == self.engines and all(
             all(lst["status"] == "active" for lst in w["listeners"].values()) for w in ws)
 
     def _applied(self, port: int) -> dict[tuple[str, str], int]:
@@ -172,7 +172,7 @@ class _Dynamo:
 
     def lookup(self, port: int, tokens: list[int]) -> dict[str, int]:
         r = json.loads(_http(port, "/query", {"token_ids": tokens, "model_name": "default"}))
-        return {pod_name(int(w)): max(d.values()) // BS for w, d in r["scores"].items() if max(d.values())}
+        return {engine_name(int(w)): max(d.values()) // BS for w, d in r["scores"].items() if max(d.values())}
 
 
 def _until_done(side, port: int, t0: float, every: float, timeout: float) -> tuple[bool, float, float]:
@@ -245,7 +245,7 @@ def run_side(side, a, paths: dict, meta: dict, groups: list[list[str]], check_pr
 
 
 def inner(a) -> None:
-    cfg = TraceConfig(a.pods, a.capacity, a.steady, a.seed)
+    cfg = TraceConfig(a.engines, a.capacity, a.steady, a.seed)
     paths = generate(cfg, a.workdir)
     with open(paths["meta"]) as f:
         meta = json.load(f)
@@ -255,9 +255,9 @@ def inner(a) -> None:
     for n in sorted(prompts):
         for arr in prompts[n][:a.check_prompts]:
             check.append((arr.tolist(), expected_blocks(resident, arr)))
-    pods = sorted(meta["per_pod"])
-    groups = [pods[i::a.publishers] for i in range(a.publishers)]
-    print(f"kvevents from {kvevents.__file__}; {cfg.pods} pods x {cfg.capacity:,}: "
+    engines = sorted(meta["per_engine"])
+    groups = [engines[i::a.publishers] for i in range(a.publishers)]
+    print(f"kvevents from {kvevents.__file__}; {cfg.engines} engines x {cfg.capacity:,}: "
           f"{meta['batches']:,} batches, {meta['events']:,} events, {meta['block_events']:,} block events",
           file=sys.stderr)
     sides = [s for s in (_Ours(meta, truth_counts), _Dynamo(meta, truth_counts))
@@ -274,7 +274,7 @@ def inner(a) -> None:
         runs.append(row)
     med = {s: median([r[s]["block_events_per_s"] for r in runs]) for s in ("ours", "dynamo")}
     ratio = round(med["ours"] / med["dynamo"], 3) if med["dynamo"] else None
-    print(f"\n{cfg.pods} pods x {cfg.capacity:,} blocks, {a.publishers} publishers -> one consumer "
+    print(f"\n{cfg.engines} engines x {cfg.capacity:,} blocks, {a.publishers} publishers -> one consumer "
           f"(dynamo.indexer --threads {a.dynamo_threads})")
     print_table(["run", "ours block events/s", "dynamo block events/s", "ratio", "ours wrong", "dynamo wrong",
                  "ours lost", "dynamo not ok"],
@@ -282,16 +282,16 @@ def inner(a) -> None:
                   r["ratio"], r["ours"]["lookups_wrong_vs_truth"], r["dynamo"]["lookups_wrong_vs_truth"],
                   r["ours"].get("lost_batches"), r["dynamo"].get("not_ok")] for i, r in enumerate(runs)])
     print(f"median: ours {med['ours']:,.0f} vs dynamo {med['dynamo']:,.0f} block events/s ({ratio}x)")
-    write_json(a.json or f"benchmarks/results/dynamo-e2e-p{cfg.pods}-c{cfg.capacity}.json",
+    write_json(a.json or f"benchmarks/results/dynamo-e2e-p{cfg.engines}-c{cfg.capacity}.json",
                {"benchmark": "P1 end to end over ZeroMQ vs dynamo.indexer", "machine": machine(),
                 "kvevents": kvevents.__file__, "args": vars(a),
-                "trace": meta | {"per_pod": None}, "median_block_events_per_s": med, "ratio": ratio,
+                "trace": meta | {"per_engine": None}, "median_block_events_per_s": med, "ratio": ratio,
                 "runs": runs})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pods", type=int, default=16)
+    ap.add_argument("--engines", type=int, default=16)
     ap.add_argument("--capacity", type=int, default=20_000)
     ap.add_argument("--steady", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=0)
@@ -313,7 +313,7 @@ def main() -> None:
         inner(a)
         return
     # Generate (or reuse) the trace outside the namespace, then re-run inside it.
-    generate(TraceConfig(a.pods, a.capacity, a.steady, a.seed), a.workdir)
+    generate(TraceConfig(a.engines, a.capacity, a.steady, a.seed), a.workdir)
     argv = [sys.executable, os.path.abspath(__file__), "--inner", *sys.argv[1:]]
     script = "ip link set lo up && exec " + shlex.join(argv)
     sys.exit(subprocess.call(["unshare", "-n", "sh", "-c", script]))

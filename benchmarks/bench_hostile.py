@@ -2,8 +2,8 @@
 
 Each shape runs in a fresh subprocess: build an index from the realistic trace
 (benchmarks/kvtrace.py), measure RSS and 2,048-token lookup p50, apply the hostile
-events from one extra pod of the same model, apply ``--after`` ordinary blocks from
-another new pod (does the hostile input make later ordinary blocks dearer?), and
+events from one extra engine of the same model, apply ``--after`` ordinary blocks from
+another new engine (does the hostile input make later ordinary blocks dearer?), and
 measure again. A control run applies only the ordinary blocks. Shapes:
 
 * ``huge_block``: one ``BlockStored`` with ``block_size`` 262,144 (one block);
@@ -17,7 +17,7 @@ swallowing the machine. Reported per shape: RSS growth (MB), lookup p50 before/a
 ``PrefixIndex.counters()`` that changed (read generically: whatever fields the index
 has), so refused events show up under whatever name the index counts them.
 
-    .venv/bin/python benchmarks/bench_hostile.py [--pods 8 --capacity 10000]
+    .venv/bin/python benchmarks/bench_hostile.py [--engines 8 --capacity 10000]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _flat(counters) -> dict[str, float]:
         elif isinstance(v, dict):
             for k, x in v.items():
                 if isinstance(x, (int, float)):
-                    out[prefix] = out.get(prefix, 0) + x  # per pod: total
+                    out[prefix] = out.get(prefix, 0) + x  # per engine: total
                 else:
                     walk(f"{prefix}.{k}", x)
         elif isinstance(v, list):
@@ -120,8 +120,8 @@ def worker(shape: str, trace: str, truth: str, after: int, lookups: int) -> dict
     rng = np.random.default_rng(7)
     gc.collect()
     rss_start = rss_mb()
-    for pod, payload in read(trace):
-        idx.apply_batch(pod, dec.decode(payload).batch, model=MODEL)
+    for engine, payload in read(trace):
+        idx.apply_batch(engine, dec.decode(payload).batch, model=MODEL)
     _, prompts = load_truth(truth)
     plist = [p.tolist() for p in prompts[2048]]
     gc.collect()
@@ -141,7 +141,7 @@ def worker(shape: str, trace: str, truth: str, after: int, lookups: int) -> dict
     hostile_s = time.perf_counter() - t0
     gc.collect()
     rss1 = rss_mb()
-    # Later ordinary blocks from a new pod: 64-block sequences of fresh content.
+    # Later ordinary blocks from a new engine: 64-block sequences of fresh content.
     later_errors = 0
     for i in range(0, after, 64):
         toks = rng.integers(0, VOCAB, 64 * BS, dtype=np.int32)
@@ -160,7 +160,7 @@ def worker(shape: str, trace: str, truth: str, after: int, lookups: int) -> dict
                 block_hashes=[5], parent_block_hash=None, token_ids=toks, block_size=BS, lora_id=None,
                 medium="GPU", lora_name="after-the-flood")]), model=MODEL)
             r = idx.lookup(toks, model=MODEL, lora_name="after-the-flood")
-            probe = "indexed" if any(p.pod == "probe" for p in r.pods) else "not indexed"
+            probe = "indexed" if any(p.engine == "probe" for p in r.engines) else "not indexed"
         except Exception as exc:  # noqa: BLE001
             probe = f"raised {type(exc).__name__}"
     gc.collect()
@@ -182,7 +182,7 @@ def worker(shape: str, trace: str, truth: str, after: int, lookups: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pods", type=int, default=8)
+    ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=10_000)
     ap.add_argument("--after", type=int, default=20_000, help="ordinary blocks applied after")
     ap.add_argument("--lookups", type=int, default=400)
@@ -197,7 +197,7 @@ def main() -> None:
         print(json.dumps(worker(shape, trace, truth, int(after), int(lookups))))
         return
     print(f"kvevents from {kvevents.__file__}", file=sys.stderr)
-    paths = generate(TraceConfig(a.pods, a.capacity), a.workdir)
+    paths = generate(TraceConfig(a.engines, a.capacity), a.workdir)
     results = []
     for shape in a.shapes.split(","):
         try:
@@ -217,7 +217,7 @@ def main() -> None:
     for r in results:
         if "error" in r:
             print(f"{r['shape']}: the worker died: {r['error']}")
-    print(f"\nhostile shapes after a {a.pods} pods x {a.capacity:,} blocks trace (ours only)")
+    print(f"\nhostile shapes after a {a.engines} engines x {a.capacity:,} blocks trace (ours only)")
     print_table(["shape", "events", "RSS growth MB", f"+{a.after:,} ordinary MB", "p50 before us", "p50 after us",
                  "ratio", "raised", "probe", "counters changed"],
                 [[r["shape"], r["hostile_events"], r["rss_growth_hostile_mb"], r["rss_growth_after_ordinary_mb"],

@@ -1,9 +1,9 @@
 """P3: ``POST /v1/lookup`` latency over HTTP while ingest runs, one keep-alive client.
 
-A real ``kvevents serve`` process (uvicorn) follows every pod of the realistic trace
+A real ``kvevents serve`` process (uvicorn) follows every engine of the realistic trace
 (benchmarks/kvtrace.py). One publisher process replays the trace on one PUB socket per
-pod, paced at ``--rate`` block events/s (vLLM framing; when the trace ends it sends
-``AllBlocksCleared`` to every pod and starts over, seq continuing), so ingest runs for
+engine, paced at ``--rate`` block events/s (vLLM framing; when the trace ends it sends
+``AllBlocksCleared`` to every engine and starts over, seq continuing), so ingest runs for
 the whole measurement; its PUB sockets keep vLLM's default high-water mark (100,000), so
 a server that falls far behind loses batches (shown) rather than this process buffering
 without bound. After ``--warmup`` seconds, one client sends 2,048-token prompts
@@ -14,7 +14,7 @@ the rate the publisher achieved and the rate the server applied during the windo
 behind shows it. ``--rate 0``: no ingest during the lookups (the trace is applied
 first), the old P3 shape.
 
-    .venv/bin/python benchmarks/bench_http.py [--pods 16 --capacity 20000 --rate 200000]
+    .venv/bin/python benchmarks/bench_http.py [--engines 16 --capacity 20000 --rate 200000]
 """
 
 from __future__ import annotations
@@ -50,41 +50,41 @@ def _publisher(trace: str, rate: float, loop: bool, ready, go, stop, sent) -> No
     """Replay the trace paced at ``rate`` block events/s (0: unpaced, once)."""
     dec = BatchDecoder()
     records = []
-    for pod, payload in read(trace):
-        records.append((pod, payload, sum(len(e.block_hashes) for e in dec.decode(payload).batch.events)))
-    pods = sorted({p for p, _, _ in records})
+    for engine, payload in read(trace):
+        records.append((engine, payload, sum(len(e.block_hashes) for e in dec.decode(payload).batch.events)))
+    engines = sorted({p for p, _, _ in records})
     ctx = zmq.Context()
     socks, ports = {}, {}
-    for pod in pods:
+    for engine in engines:
         s = ctx.socket(zmq.PUB)
         # vLLM's default high-water mark: a server that falls far behind loses batches
         # (counted, shown) instead of this process buffering without bound.
         s.setsockopt(zmq.SNDHWM, 100_000)
-        ports[pod] = s.bind_to_random_port("tcp://127.0.0.1")
-        socks[pod] = s
+        ports[engine] = s.bind_to_random_port("tcp://127.0.0.1")
+        socks[engine] = s
     clear = BatchEncoder().encode(KVEventBatch(0.0, [AllBlocksCleared()], data_parallel_rank=0))
     ready.put(ports)
     go.wait(300)
-    seq = dict.fromkeys(pods, 0)
+    seq = dict.fromkeys(engines, 0)
     t0 = time.perf_counter()
     total = 0
     while not stop.is_set():
-        for pod, payload, blocks in records:
+        for engine, payload, blocks in records:
             if stop.is_set():
                 break
             if rate:
                 delay = t0 + total / rate - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
-            socks[pod].send_multipart((b"", pack_seq(seq[pod]), payload), copy=False)
-            seq[pod] += 1
+            socks[engine].send_multipart((b"", pack_seq(seq[engine]), payload), copy=False)
+            seq[engine] += 1
             total += blocks
             sent.value = total
         if not loop:
             break
-        for pod in pods:  # the engines reset their caches; the trace starts over
-            socks[pod].send_multipart((b"", pack_seq(seq[pod]), clear))
-            seq[pod] += 1
+        for engine in engines:  # the engines reset their caches; the trace starts over
+            socks[engine].send_multipart((b"", pack_seq(seq[engine]), clear))
+            seq[engine] += 1
     stop.wait(600)
     for s in socks.values():
         s.close(0)
@@ -101,7 +101,7 @@ def _applied(client: httpx.Client) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pods", type=int, default=16)
+    ap.add_argument("--engines", type=int, default=16)
     ap.add_argument("--capacity", type=int, default=20_000)
     ap.add_argument("--rate", type=float, default=200_000, help="block events/s during lookups (0: none)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of ingest before the lookups")
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/kvevents-traces")
     ap.add_argument("--json", default="benchmarks/results/http.json")
     args = ap.parse_args()
-    paths = generate(TraceConfig(args.pods, args.capacity), args.workdir)
+    paths = generate(TraceConfig(args.engines, args.capacity), args.workdir)
     with open(paths["meta"]) as f:
         meta = json.load(f)
     _, prompts = load_truth(paths["truth"])
@@ -123,8 +123,8 @@ def main() -> None:
     ports = ready.get(timeout=300)
     http_port = _port()
     cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--port", str(http_port)]
-    for pod, p in sorted(ports.items()):
-        cmd += ["--endpoint", f"{pod}=tcp://127.0.0.1:{p}"]
+    for engine, p in sorted(ports.items()):
+        cmd += ["--endpoint", f"{engine}=tcp://127.0.0.1:{p}"]
     # ``-m`` puts the working directory first on sys.path: run the server from the
     # checkout this process imported, so it serves the same kvevents.
     root = os.path.dirname(os.path.dirname(os.path.abspath(kvevents.__file__)))
@@ -133,8 +133,8 @@ def main() -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as client:
             for _ in range(300):
                 try:
-                    pods_now = client.get("/v1/pods").json()["pods"]
-                    if len(pods_now) == len(ports) and all(p["connected"] for p in pods_now):
+                    engines_now = client.get("/v1/engines").json()["engines"]
+                    if len(engines_now) == len(ports) and all(p["connected"] for p in engines_now):
                         break
                 except httpx.HTTPError:
                     pass
@@ -161,10 +161,10 @@ def main() -> None:
                 if r.status_code != 200:
                     raise RuntimeError(f"lookup answered {r.status_code}: {r.text[:200]}")
                 res = r.json()
-                matched.append(res["pods"][0]["matched_tokens"] if res["pods"] else 0)
+                matched.append(res["engines"][0]["matched_tokens"] if res["engines"] else 0)
             window = time.perf_counter() - w0
             applied1, sent1 = _applied(client), sent.value
-            pods_now = client.get("/v1/pods").json()["pods"]
+            engines_now = client.get("/v1/engines").json()["engines"]
     finally:
         stop.set()
         server.terminate()
@@ -175,12 +175,12 @@ def main() -> None:
         pub.join(10)
         if pub.is_alive():
             pub.terminate()
-    row = {"pods": len(ports), "prompt_tokens": args.tokens, "requests": args.requests,
+    row = {"engines": len(ports), "prompt_tokens": args.tokens, "requests": args.requests,
            "target_rate": args.rate, "published_per_s": round((sent1 - sent0) / window),
            "applied_per_s": round((applied1 - applied0) / window),
            "backlog_block_events": max(0, sent1 - applied1) if args.rate else 0,
-           "resident_entries": sum(sum(p["blocks"].values()) for p in pods_now),
-           "lost_batches": sum(p["lost_batches"] for p in pods_now),
+           "resident_entries": sum(sum(p["blocks"].values()) for p in engines_now),
+           "lost_batches": sum(p["lost_batches"] for p in engines_now),
            "p50_us": round(median(lat), 1), "p99_us": round(percentile(lat, 99), 1),
            "max_us": round(max(lat), 1), "mean_best_match_tokens": round(sum(matched) / len(matched), 1)}
     print(f"kvevents from {kvevents.__file__}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Benchmark of the prefix index (TARGETS P2, P4, P8, and in-process ingest).
 
-Older, flattering shapes (large events, per-pod salted hashes), kept as extra rows; the
+Older, flattering shapes (large events, per-engine salted hashes), kept as extra rows; the
 figures that count are the side-by-side ones on the realistic trace (bench_dynamo.py).
 
-For each index size (x1, x4, x16, x64: 64 pods x 1,563 .. 100,000 resident 16-token
+For each index size (x1, x4, x16, x64: 64 engines x 1,563 .. 100,000 resident 16-token
 blocks; x64 is the P2 configuration) a realistic workload (benchmarks/workload.py) is
 generated once to a file, then replayed ``--runs`` times, each in a fresh process that
 only decodes and applies it, so that RSS growth is the index's own:
@@ -45,7 +45,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(path: str, pods: int, capacity: int, lookups: int) -> dict:
+def worker(path: str, engines: int, capacity: int, lookups: int) -> dict:
     import numpy as np
 
     from kvevents.index import PrefixIndex
@@ -57,11 +57,11 @@ def worker(path: str, pods: int, capacity: int, lookups: int) -> dict:
     rss0 = rss_bytes()
     t_apply = t_dec = 0.0
     blocks = events = 0
-    for pod, payload in read(path):
+    for engine, payload in read(path):
         t0 = time.perf_counter()
         batch = dec.decode(payload).batch
         t1 = time.perf_counter()
-        st = idx.apply_batch(pod, batch, model=MODEL)
+        st = idx.apply_batch(engine, batch, model=MODEL)
         t_apply += time.perf_counter() - t1
         t_dec += t1 - t0
         blocks += st.stored_blocks + st.removed_blocks
@@ -82,7 +82,7 @@ def worker(path: str, pods: int, capacity: int, lookups: int) -> dict:
         "bytes_per_entry": (rss1 - rss0) / c.resident_entries,
         "array_bytes_per_entry": idx.memory_bytes() / c.resident_entries,
     }
-    w = Workload(pods=pods, capacity=capacity)
+    w = Workload(engines=engines, capacity=capacity)
     for n_tok in (2048, 32768):
         prompts = w.prompts(n_tok)
         for p in prompts[:10]:
@@ -94,7 +94,7 @@ def worker(path: str, pods: int, capacity: int, lookups: int) -> dict:
             t0 = time.perf_counter_ns()
             r = idx.lookup(p, model=MODEL)
             lat.append((time.perf_counter_ns() - t0) / 1000)
-            matched.append(r.pods[0].tokens if r.pods else 0)
+            matched.append(r.engines[0].tokens if r.engines else 0)
         lat.sort()
         out[f"lookup_{n_tok}"] = {
             "p50_us": lat[len(lat) // 2],
@@ -125,13 +125,13 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/index.json")
     ap.add_argument("--scales", default=",".join(map(str, SCALES)))
     ap.add_argument("--workdir", default="/tmp/kvevents-bench-index")
-    ap.add_argument("--worker", nargs=4, metavar=("PATH", "PODS", "CAPACITY", "LOOKUPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=4, metavar=("PATH", "ENGINES", "CAPACITY", "LOOKUPS"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        path, pods, cap, lk = a.worker
-        print(json.dumps(worker(path, int(pods), int(cap), int(lk))))
+        path, engines, cap, lk = a.worker
+        print(json.dumps(worker(path, int(engines), int(cap), int(lk))))
         return
-    pods = 8 if a.quick else 64
+    engines = 8 if a.quick else 64
     full = 64_000 if a.quick else FULL_CAPACITY
     runs = 1 if a.quick else a.runs
     lookups = 300 if a.quick else a.lookups
@@ -140,8 +140,8 @@ def main() -> None:
     scales = [1, 4, 16] if a.quick and a.scales == ",".join(map(str, SCALES)) else [int(s) for s in a.scales.split(",")]
     for scale in scales:
         cap = max(1, full * scale // 64)
-        w = Workload(pods=pods, capacity=cap)
-        path = os.path.join(a.workdir, f"wl-{pods}x{cap}.bin")
+        w = Workload(engines=engines, capacity=cap)
+        path = os.path.join(a.workdir, f"wl-{engines}x{cap}.bin")
         if not os.path.exists(path):
             t0 = time.perf_counter()
             write(w, path + ".tmp")
@@ -150,7 +150,7 @@ def main() -> None:
         rs = []
         for _ in range(runs):
             p = subprocess.run(
-                [sys.executable, __file__, "--worker", path, str(pods), str(cap), str(lookups)],
+                [sys.executable, __file__, "--worker", path, str(engines), str(cap), str(lookups)],
                 check=True, capture_output=True, text=True,
             )
             rs.append(json.loads(p.stdout.strip().splitlines()[-1]))
@@ -159,7 +159,7 @@ def main() -> None:
             return statistics.median(f(r) for r in rs)
 
         results.append({
-            "scale": f"x{scale}", "pods": pods, "capacity_per_pod": cap,
+            "scale": f"x{scale}", "engines": engines, "capacity_per_engine": cap,
             "resident_entries": int(med(lambda r: r["resident_entries"])),
             "distinct_blocks": int(med(lambda r: r["distinct_blocks"])),
             "apply_blocks_per_s": med(lambda r: r["apply_blocks_per_s"]),

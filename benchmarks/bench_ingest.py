@@ -1,15 +1,15 @@
 """P1: ingest throughput over ZeroMQ, 8 publisher processes -> one aggregator process.
 
-Older, flattering shapes (large events, per-pod salted hashes), kept as extra rows; the
+Older, flattering shapes (large events, per-engine salted hashes), kept as extra rows; the
 figures that count are the side-by-side ones on the realistic trace (bench_dynamo.py).
 
-The workload (benchmarks/workload.py: shared system prompts and documents, per-pod
-engine hashes, 16-token blocks, LRU-like evictions once each pod's cache is full) is
-recorded to a file first. Each publisher process then replays its pod's recorded
+The workload (benchmarks/workload.py: shared system prompts and documents, per-engine
+engine hashes, 16-token blocks, LRU-like evictions once each engine's cache is full) is
+recorded to a file first. Each publisher process then replays its engine's recorded
 batches, as fast as it can, on its own PUB socket (seq from 0, vLLM framing). The
 aggregator (the real ``Aggregator``: subscriber thread, decoder, prefix index) follows
 all 8. Measured: block events applied per second from "go" until the last one is
-applied, and that nothing was lost (every seq of every pod delivered, lost == 0).
+applied, and that nothing was lost (every seq of every engine delivered, lost == 0).
 
     .venv/bin/python benchmarks/bench_ingest.py [--capacity 40000] [--runs 3]
 """
@@ -28,7 +28,7 @@ import zmq
 from common import machine, median, print_table, write_json
 from kvevents.aggregator import Aggregator
 from kvevents.schema import BatchDecoder
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 from kvevents.transport import pack_seq
 from workload import Workload, read, write
 
@@ -39,8 +39,8 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _publisher(path: str, pod: str, port: int, ready, go) -> None:
-    payloads = [p for name, p in read(path) if name == pod]
+def _publisher(path: str, engine: str, port: int, ready, go) -> None:
+    payloads = [p for name, p in read(path) if name == engine]
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)  # unbounded: this benchmark measures the consumer
@@ -54,30 +54,30 @@ def _publisher(path: str, pod: str, port: int, ready, go) -> None:
 
 
 def count_blocks(path: str) -> dict[str, int]:
-    """Block entries (stored + removed) per pod in the recorded workload."""
+    """Block entries (stored + removed) per engine in the recorded workload."""
     dec = BatchDecoder()
     out: dict[str, int] = {}
-    for pod, payload in read(path):
+    for engine, payload in read(path):
         b = dec.decode(payload).batch
-        out[pod] = out.get(pod, 0) + sum(len(e.block_hashes) for e in b.events)
+        out[engine] = out.get(engine, 0) + sum(len(e.block_hashes) for e in b.events)
     return out
 
 
-def run_once(path: str, pods: list[str], expected_blocks: int) -> dict:
-    ports = {pod: _port() for pod in pods}
+def run_once(path: str, engines: list[str], expected_blocks: int) -> dict:
+    ports = {engine: _port() for engine in engines}
     ready: mp.Queue = mp.Queue()
     go = mp.Event()
-    procs = [mp.Process(target=_publisher, args=(path, pod, ports[pod], ready, go), daemon=True)
-             for pod in pods]
+    procs = [mp.Process(target=_publisher, args=(path, engine, ports[engine], ready, go), daemon=True)
+             for engine in engines]
     for p in procs:
         p.start()
-    counts = [ready.get(timeout=120) for _ in pods]
-    agg = Aggregator(AggregatorSettings(pods=tuple(
-        PodSpec(pod, f"tcp://127.0.0.1:{ports[pod]}") for pod in pods)))
+    counts = [ready.get(timeout=120) for _ in engines]
+    agg = Aggregator(AggregatorSettings(engines=tuple(
+        EngineSpec(engine, f"tcp://127.0.0.1:{ports[engine]}") for engine in engines)))
     agg.start()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not all(
-            s.connected for s in agg.source_stats().values()) or len(agg.source_stats()) < len(pods):
+            s.connected for s in agg.source_stats().values()) or len(agg.source_stats()) < len(engines):
         time.sleep(0.05)
     time.sleep(0.5)  # subscriptions propagate to the publishers
     t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def run_once(path: str, pods: list[str], expected_blocks: int) -> dict:
     delivered = sum(s.batches for s in stats.values())
     lost = sum(s.lost_batches for s in stats.values())
     return {
-        "publishers": len(pods),
+        "publishers": len(engines),
         "batches": total_batches,
         "block_events": got,
         "expected_block_events": expected_blocks,
@@ -115,19 +115,19 @@ def run_once(path: str, pods: list[str], expected_blocks: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--publishers", type=int, default=8)
-    ap.add_argument("--capacity", type=int, default=40_000, help="resident blocks per pod")
+    ap.add_argument("--capacity", type=int, default=40_000, help="resident blocks per engine")
     ap.add_argument("--events-per-batch", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", default="benchmarks/results/ingest.json")
     args = ap.parse_args()
-    w = Workload(pods=args.publishers, capacity=args.capacity, events_per_batch=args.events_per_batch)
+    w = Workload(engines=args.publishers, capacity=args.capacity, events_per_batch=args.events_per_batch)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "workload.bin")
         write(w, path)
-        per_pod = count_blocks(path)
-        pods = sorted(per_pod)
-        expected = sum(per_pod.values())
-        runs = [run_once(path, pods, expected) for _ in range(args.runs)]
+        per_engine = count_blocks(path)
+        engines = sorted(per_engine)
+        expected = sum(per_engine.values())
+        runs = [run_once(path, engines, expected) for _ in range(args.runs)]
     rate = median([r["block_events_per_s"] for r in runs])
     print_table(["run", "publishers", "batches", "block events", "seconds", "block events/s", "lost", "zero loss"],
                 [[i, r["publishers"], r["batches"], r["block_events"], r["seconds"], r["block_events_per_s"],

@@ -35,11 +35,11 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversatio
 class IndexFeed(EventPublisher):
     """Applies each published batch to the index at once (in-process aggregator)."""
 
-    def __init__(self, index: PrefixIndex, pod: str) -> None:
-        self.index, self.pod = index, pod
+    def __init__(self, index: PrefixIndex, engine: str) -> None:
+        self.index, self.engine = index, engine
 
     def publish(self, batch: KVEventBatch) -> bool:
-        self.index.apply_batch(self.pod, batch)
+        self.index.apply_batch(self.engine, batch)
         return True
 
     def shutdown(self, timeout: float = 2.0) -> None:
@@ -64,9 +64,9 @@ def simulate(requests, policy: str, n_engines: int, cpu_tier: bool, gpu_blocks: 
                 results.extend(eng.step())
         candidates = [Candidate(n, EngineLoad(**e.load())) for n, e in zip(names, engines)]
         lookup = index.lookup(req.token_ids) if policy == "kv" else None
-        pod = chooser.choose(req.token_ids, lookup, candidates).pod
-        assigned[pod] += 1
-        engines[names.index(pod)].add_request(req.id, req.token_ids, req.max_new_tokens, req.arrival)
+        engine = chooser.choose(req.token_ids, lookup, candidates).engine
+        assigned[engine] += 1
+        engines[names.index(engine)].add_request(req.id, req.token_ids, req.max_new_tokens, req.arrival)
     for eng in engines:
         results.extend(eng.run_until_idle())
     wall = time.perf_counter() - t0

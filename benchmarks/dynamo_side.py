@@ -13,7 +13,7 @@ pays, counted on Dynamo's side:
   encode and one ``apply_event`` per event;
 * lookup from token ids: ``compute_block_hash_for_seq`` + ``find_matches``.
 
-Workers are numbered from the pod names (``pod-07`` -> worker 8).
+Workers are numbered from the engine names (``engine-07`` -> worker 8).
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ def available() -> bool:
     return RadixTree is not None
 
 
-def worker_id(pod: str) -> int:
-    return int(pod.rsplit("-", 1)[1]) + 1
+def worker_id(engine: str) -> int:
+    return int(engine.rsplit("-", 1)[1]) + 1
 
 
-def pod_name(worker: int) -> str:
-    return f"pod-{worker - 1:02d}"
+def engine_name(worker: int) -> str:
+    return f"engine-{worker - 1:02d}"
 
 
 class DynamoFeeder:
@@ -66,9 +66,9 @@ class DynamoFeeder:
             out.append(self._enc.encode({"event_id": self._eid, "data": data}))
         return out
 
-    def apply(self, pod: str, payload: bytes) -> None:
+    def apply(self, engine: str, payload: bytes) -> None:
         """Decode, convert and apply one payload."""
-        w = worker_id(pod)
+        w = worker_id(engine)
         apply = self.tree.apply_event
         for ev in self.convert(payload):
             apply(w, ev)
@@ -78,9 +78,9 @@ class DynamoFeeder:
         self.tree.find_matches([1])
 
     def lookup(self, tokens: list[int]) -> dict[str, int]:
-        """Matched blocks per pod for a token-id prompt (hashing included)."""
+        """Matched blocks per engine for a token-id prompt (hashing included)."""
         scores = self.tree.find_matches(compute_block_hash_for_seq(tokens, BS)).scores
-        return {pod_name(w): n for (w, _rank), n in scores.items() if n}
+        return {engine_name(w): n for (w, _rank), n in scores.items() if n}
 
     def lookup_raw(self, tokens: list[int]):
         """The timed form of :meth:`lookup`: hashing + find_matches, no conversion."""

@@ -1,8 +1,8 @@
 """A realistic, deterministic KV event trace: vLLM-like engines with LRU block pools.
 
-Each of ``pods`` engines owns a block pool of ``capacity`` 16-token blocks. A seeded
+Each of ``engines`` engines owns a block pool of ``capacity`` 16-token blocks. A seeded
 request stream is spread over them: shared system prompts, Zipf-popular documents,
-conversations that grow turn by turn (sticky to their pod), and 32k-token long
+conversations that grow turn by turn (sticky to their engine), and 32k-token long
 contexts. Each engine serves a request like vLLM's prefix cache does:
 
 * it hits the longest cached prefix of the prompt (and refreshes those blocks' LRU time);
@@ -13,21 +13,21 @@ contexts. Each engine serves a request like vLLM's prefix cache does:
   child in that pool), one ``BlockRemoved`` per block, as vLLM's pool emits them.
 
 Engine hashes are a chained 64-bit hash of (parent hash, block tokens) with the same
-root on every pod (no per-pod seed), so the same prefix has the same hash everywhere.
+root on every engine (no per-engine seed), so the same prefix has the same hash everywhere.
 The trace is shaped so that Dynamo 1.6.1's radix tree indexes it exactly too: only
 leaves are evicted (removal never orphans a cached descendant), a block is never
-announced twice on one pod while cached, and a stored block's parent is always cached.
+announced twice on one engine while cached, and a stored block's parent is always cached.
 
 :func:`generate` writes three files into a directory and returns their paths:
 
-* ``trace.bin``: length-prefixed records ``(pod, msgpack payload)`` in publishing
+* ``trace.bin``: length-prefixed records ``(engine, msgpack payload)`` in publishing
   order (vLLM's current map encoding, via :class:`kvevents.schema.BatchEncoder`;
   a few events per batch, like an engine step), read back with :func:`read`;
-* ``truth.npz``: each pod's resident engine hashes at the end, and lookup prompts of
+* ``truth.npz``: each engine's resident engine hashes at the end, and lookup prompts of
   2,048 and 32,768 tokens drawn from the trace (full hits, partial hits, misses);
-* ``meta.json``: the configuration and per-pod counts (batches, events, block events).
+* ``meta.json``: the configuration and per-engine counts (batches, events, block events).
 
-Generation is Python (minutes for 64 pods x 50k blocks); results are cached by
+Generation is Python (minutes for 64 engines x 50k blocks); results are cached by
 configuration in the directory, so a benchmark pays for it once.
 """
 
@@ -53,16 +53,16 @@ from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatc
 BS = 16
 VOCAB = 32_000  # a Llama-2-sized vocabulary: every token fits msgpack's uint16
 MODEL = "bench-model"
-ROOT = 0  # parent of a sequence's first block, identical on every pod
+ROOT = 0  # parent of a sequence's first block, identical on every engine
 _REC = struct.Struct("<HI")
 
 
 @dataclass(frozen=True)
 class TraceConfig:
     """What to generate. ``steady``: blocks stored after the pools fill, as a fraction
-    of ``pods * capacity`` (each costs an eviction)."""
+    of ``engines * capacity`` (each costs an eviction)."""
 
-    pods: int = 16
+    engines: int = 16
     capacity: int = 20_000
     steady: float = 0.25
     seed: int = 0
@@ -71,8 +71,8 @@ class TraceConfig:
     lookup_prompts: int = 64
 
     def name(self) -> str:
-        return (f"trace-p{self.pods}-c{self.capacity}-s{self.steady}-seed{self.seed}"
-                f"-e{self.max_event_blocks}-b{self.max_events_per_batch}-v6")
+        return (f"trace-p{self.engines}-c{self.capacity}-s{self.steady}-seed{self.seed}"
+                f"-e{self.max_event_blocks}-b{self.max_events_per_batch}-v7")
 
 
 def block_hash(parent: int, tokens: np.ndarray) -> int:
@@ -93,7 +93,7 @@ def chain_hashes(tokens: np.ndarray, parent: int = ROOT) -> list[int]:
 
 
 class _Engine:
-    """One pod's block pool: cached blocks, child counts, LRU times, pending events."""
+    """One engine's block pool: cached blocks, child counts, LRU times, pending events."""
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
@@ -176,7 +176,7 @@ class _Corpus:
             return rng.integers(0, VOCAB, int(rng.integers(lo, hi + 1)) * BS, dtype=np.int32)
 
         self.sys = [blocks(16, 128) for _ in range(16)]  # 256 .. 2,048 tokens
-        n_docs = max(64, cfg.pods * cfg.capacity // 2000)
+        n_docs = max(64, cfg.engines * cfg.capacity // 2000)
         self.docs = [blocks(32, 384) for _ in range(n_docs)]  # 512 .. 6,144 tokens
         self.longs = [rng.integers(0, VOCAB, 32_768, dtype=np.int32) for _ in range(8)]
         p = 1.0 / np.arange(1, n_docs + 1) ** 1.1
@@ -193,17 +193,17 @@ class _Corpus:
 
 
 class _Conversation:
-    def __init__(self, pod: int, tokens: np.ndarray, hashes: list[int], turns: int) -> None:
-        self.pod = pod
+    def __init__(self, engine: int, tokens: np.ndarray, hashes: list[int], turns: int) -> None:
+        self.engine = engine
         self.tokens = tokens
         self.hashes = hashes
         self.turns_left = turns
 
 
 def _requests(cfg: TraceConfig, rng: np.random.Generator, corpus: _Corpus):
-    """Endless stream of (pod, tokens, hashes, n_prompt_blocks, kind)."""
+    """Endless stream of (engine, tokens, hashes, n_prompt_blocks, kind)."""
     convs: list[_Conversation] = []
-    max_convs = 32 * cfg.pods
+    max_convs = 32 * cfg.engines
     while True:
         r = rng.random()
         out_len = int(rng.integers(32, 513))
@@ -218,9 +218,9 @@ def _requests(cfg: TraceConfig, rng: np.random.Generator, corpus: _Corpus):
             n_pre = len(prompt) // BS
             hashes = bh[:n_pre] + chain_hashes(toks[n_pre * BS:], bh[n_pre - 1])
             # A KV-aware router keeps sending a long document where it is cached.
-            home = d * cfg.pods // len(corpus.longs)
-            pod = home if rng.random() < 0.8 else int(rng.integers(cfg.pods))
-            yield pod, toks, hashes, 32_768 // BS, "long"
+            home = d * cfg.engines // len(corpus.longs)
+            engine = home if rng.random() < 0.8 else int(rng.integers(cfg.engines))
+            yield engine, toks, hashes, 32_768 // BS, "long"
         elif r < 0.43:  # document question
             s = int(rng.integers(len(corpus.sys)))
             d = int(rng.choice(len(corpus.docs), p=corpus.doc_p))
@@ -229,12 +229,12 @@ def _requests(cfg: TraceConfig, rng: np.random.Generator, corpus: _Corpus):
             out = rng.integers(0, VOCAB, out_len, dtype=np.int32)
             toks = np.concatenate([base, q, out])
             hashes = bh + chain_hashes(toks[len(base):], bh[-1])
-            yield int(rng.integers(cfg.pods)), toks, hashes, (len(base) + len(q)) // BS, "doc"
+            yield int(rng.integers(cfg.engines)), toks, hashes, (len(base) + len(q)) // BS, "doc"
         else:  # conversation: a new one, or the next turn of an active one
             if convs and (len(convs) >= max_convs or rng.random() < 0.75):
                 i = int(rng.integers(len(convs)))
                 c = convs[i]
-                pod = c.pod if rng.random() < 0.9 else int(rng.integers(cfg.pods))
+                engine = c.engine if rng.random() < 0.9 else int(rng.integers(cfg.engines))
                 msg = rng.integers(0, VOCAB, int(rng.integers(16, 513)), dtype=np.int32)
                 prompt = np.concatenate([c.tokens, msg])
                 kind = "turn"
@@ -243,8 +243,8 @@ def _requests(cfg: TraceConfig, rng: np.random.Generator, corpus: _Corpus):
                 base, _ = corpus.prefix(("S", s), [corpus.sys[s]])
                 msg = rng.integers(0, VOCAB, int(rng.integers(16, 513)), dtype=np.int32)
                 prompt = np.concatenate([base, msg])
-                pod = int(rng.integers(cfg.pods))
-                c = _Conversation(pod, base, corpus.prefix(("S", s), [corpus.sys[s]])[1],
+                engine = int(rng.integers(cfg.engines))
+                c = _Conversation(engine, base, corpus.prefix(("S", s), [corpus.sys[s]])[1],
                                   int(rng.integers(2, 12)))
                 convs.append(c)
                 i = len(convs) - 1
@@ -253,12 +253,12 @@ def _requests(cfg: TraceConfig, rng: np.random.Generator, corpus: _Corpus):
             toks = np.concatenate([prompt, out])
             known = len(c.hashes)
             hashes = c.hashes + chain_hashes(toks[known * BS:], c.hashes[-1] if known else ROOT)
-            c.tokens, c.hashes, c.pod = toks, hashes, pod
+            c.tokens, c.hashes, c.engine = toks, hashes, engine
             c.turns_left -= 1
             if c.turns_left <= 0 or len(toks) > 24_000:
                 convs[i] = convs[-1]
                 convs.pop()
-            yield pod, toks, hashes, len(prompt) // BS, kind
+            yield engine, toks, hashes, len(prompt) // BS, kind
 
 
 def _lookup_prompts(cfg: TraceConfig, rng: np.random.Generator, recent: deque,
@@ -293,11 +293,11 @@ def generate(cfg: TraceConfig, workdir: str, log: bool = True) -> dict[str, str]
     t0 = time.perf_counter()
     rng = np.random.default_rng(cfg.seed)
     corpus = _Corpus(cfg, rng)
-    engines = [_Engine(f"pod-{i:02d}", cfg.capacity) for i in range(cfg.pods)]
+    engines = [_Engine(f"engine-{i:02d}", cfg.capacity) for i in range(cfg.engines)]
     enc = BatchEncoder()
-    target = int(cfg.pods * cfg.capacity * (1 + cfg.steady))
-    per_pod = {e.name: {"batches": 0, "events": 0, "stored_blocks": 0, "removed_blocks": 0}
-               for e in engines}
+    target = int(cfg.engines * cfg.capacity * (1 + cfg.steady))
+    per_engine = {e.name: {"batches": 0, "events": 0, "stored_blocks": 0, "removed_blocks": 0}
+                  for e in engines}
     recent: deque = deque(maxlen=400)
     recent_long: deque = deque(maxlen=64)
     kinds: dict[str, int] = {}
@@ -312,16 +312,16 @@ def generate(cfg: TraceConfig, workdir: str, log: bool = True) -> dict[str, str]
             f.write(_REC.pack(len(name), len(payload)))
             f.write(name)
             f.write(payload)
-            c = per_pod[e.name]
+            c = per_engine[e.name]
             c["batches"] += 1
             c["events"] += len(batch)
             for ev in batch:
                 key = "stored_blocks" if isinstance(ev, BlockStored) else "removed_blocks"
                 c[key] += len(ev.block_hashes)
 
-        for pod, toks, hashes, n_prompt, kind in _requests(cfg, rng, corpus):
+        for engine, toks, hashes, n_prompt, kind in _requests(cfg, rng, corpus):
             tick += 1
-            e = engines[pod]
+            e = engines[engine]
             before = e.stored
             hit_blocks += e.serve(tick, toks, hashes, n_prompt, cfg.max_event_blocks)
             prompt_blocks += n_prompt
@@ -345,10 +345,10 @@ def generate(cfg: TraceConfig, workdir: str, log: bool = True) -> dict[str, str]
         "config": asdict(cfg), "model": MODEL, "block_size": BS, "requests": tick,
         "request_kinds": kinds, "prompt_hit_fraction": round(hit_blocks / max(1, prompt_blocks), 3),
         "resident_entries": sum(len(e.parent) for e in engines),
-        "batches": sum(c["batches"] for c in per_pod.values()),
-        "events": sum(c["events"] for c in per_pod.values()),
-        "block_events": sum(c["stored_blocks"] + c["removed_blocks"] for c in per_pod.values()),
-        "per_pod": per_pod, "seconds": round(time.perf_counter() - t0, 1),
+        "batches": sum(c["batches"] for c in per_engine.values()),
+        "events": sum(c["events"] for c in per_engine.values()),
+        "block_events": sum(c["stored_blocks"] + c["removed_blocks"] for c in per_engine.values()),
+        "per_engine": per_engine, "seconds": round(time.perf_counter() - t0, 1),
     }
     with open(paths["meta"] + ".tmp", "w") as f:
         json.dump(meta, f, indent=1)
@@ -363,19 +363,19 @@ def generate(cfg: TraceConfig, workdir: str, log: bool = True) -> dict[str, str]
 
 
 def read(path: str) -> Iterator[tuple[str, bytes]]:
-    """Records of a trace file, as (pod, msgpack payload), streamed one at a time."""
+    """Records of a trace file, as (engine, msgpack payload), streamed one at a time."""
     with open(path, "rb") as f:
         while True:
             h = f.read(_REC.size)
             if len(h) < _REC.size:
                 return
             lp, ln = _REC.unpack(h)
-            pod = f.read(lp).decode()
-            yield pod, f.read(ln)
+            engine = f.read(lp).decode()
+            yield engine, f.read(ln)
 
 
 def load_truth(path: str) -> tuple[dict[str, set[int]], dict[int, np.ndarray]]:
-    """(pod -> resident engine hashes, prompt length -> lookup prompts) of a trace."""
+    """(engine -> resident engine hashes, prompt length -> lookup prompts) of a trace."""
     z = np.load(path)
     resident = {k.split("/", 1)[1]: set(z[k].tolist()) for k in z.files if k.startswith("resident/")}
     prompts = {int(k.split("_")[1]): z[k] for k in z.files if k.startswith("prompts_")}
@@ -383,15 +383,15 @@ def load_truth(path: str) -> tuple[dict[str, set[int]], dict[int, np.ndarray]]:
 
 
 def expected_blocks(resident: dict[str, set[int]], tokens: np.ndarray) -> dict[str, int]:
-    """Per pod, the leading blocks of ``tokens`` it holds (pods holding none omitted)."""
+    """Per engine, the leading blocks of ``tokens`` it holds (engines holding none omitted)."""
     hashes = chain_hashes(np.asarray(tokens, dtype=np.int32))
     out = {}
-    for pod, res in resident.items():
+    for engine, res in resident.items():
         n = 0
         while n < len(hashes) and hashes[n] in res:
             n += 1
         if n:
-            out[pod] = n
+            out[engine] = n
     return out
 
 
@@ -399,13 +399,13 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description="generate a realistic KV event trace")
-    ap.add_argument("--pods", type=int, default=16)
+    ap.add_argument("--engines", type=int, default=16)
     ap.add_argument("--capacity", type=int, default=20_000)
     ap.add_argument("--steady", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default="/tmp/kvevents-traces")
     a = ap.parse_args()
-    paths = generate(TraceConfig(a.pods, a.capacity, a.steady, a.seed), a.workdir)
+    paths = generate(TraceConfig(a.engines, a.capacity, a.steady, a.seed), a.workdir)
     print(json.dumps(paths))
 
 

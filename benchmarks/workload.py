@@ -1,18 +1,18 @@
 """Synthetic, realistic KV event workloads (shared by the index and ingest benchmarks).
 
-A fleet of ``pods`` engines, each with a prefix cache of ``capacity`` 16-token blocks,
+A fleet of ``engines`` engines, each with a prefix cache of ``capacity`` 16-token blocks,
 serves requests made of: one of 16 shared system prompts (1,024 tokens), often a shared
 document drawn Zipf-like from a pool (1-4k tokens), and a unique user tail (128-1k
-tokens); a few pods also serve long-context requests (~32k tokens) over shared long
+tokens); a few engines also serve long-context requests (~32k tokens) over shared long
 documents. Like vLLM, an engine announces only blocks it did not already hold (one
 ``BlockStored`` per request, parent = last cached block) and, once full, evicts its
-oldest announcements with ``BlockRemoved``. Engine hashes are per-pod (no shared hash
+oldest announcements with ``BlockRemoved``. Engine hashes are per-engine (no shared hash
 seed), as with vLLM's random ``NONE_HASH``.
 
-These are the old, flattering shapes (large events, per-pod hashes); the realistic
+These are the old, flattering shapes (large events, per-engine hashes); the realistic
 trace of the side-by-side benchmarks is benchmarks/kvtrace.py.
 
-``generate()`` yields ``(pod_name, KVEventBatch)`` in publishing order; ``write()``
+``generate()`` yields ``(engine_name, KVEventBatch)`` in publishing order; ``write()``
 stores them msgpack-encoded (length-prefixed) so a measuring process can replay them
 without carrying the generator's state in its RSS.
 """
@@ -54,15 +54,15 @@ def _keys(toks: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Workload:
-    pods: int = 64
-    capacity: int = 100_000  # resident GPU blocks per pod once full
+    engines: int = 64
+    capacity: int = 100_000  # resident GPU blocks per engine once full
     steady_fraction: float = 0.25  # extra blocks stored after the fill (with evictions)
     events_per_batch: int = 16
     seed: int = 0
 
     def prompts(self, n_tokens: int, count: int = 50) -> list[list[int]]:
         """Lookup prompts of ``n_tokens``: cached request prefixes (full hits on a few
-        pods, the shared system prompt on many), like a router sees."""
+        engines, the shared system prompt on many), like a router sees."""
         rng = np.random.default_rng(self.seed + 99)
         sysp, docs, longs = _corpus(self)
         out = []
@@ -91,15 +91,15 @@ def generate(w: Workload) -> Iterator[tuple[str, KVEventBatch]]:
     sysp, docs, longs = _corpus(w)
     zipf_p = 1.0 / np.arange(1, len(docs) + 1)
     zipf_p /= zipf_p.sum()
-    pods = [f"pod-{i:02d}" for i in range(w.pods)]
-    salts = [np.uint64(rng.integers(1, 2**63)) for _ in pods]
-    cached: list[set[int]] = [set() for _ in pods]
-    fifo: list[deque] = [deque() for _ in pods]
-    resident = [0] * w.pods
-    stored = [0] * w.pods
+    engines = [f"engine-{i:02d}" for i in range(w.engines)]
+    salts = [np.uint64(rng.integers(1, 2**63)) for _ in engines]
+    cached: list[set[int]] = [set() for _ in engines]
+    fifo: list[deque] = [deque() for _ in engines]
+    resident = [0] * w.engines
+    stored = [0] * w.engines
     target = int(w.capacity * (1 + w.steady_fraction))
-    pending: list[list] = [[] for _ in pods]
-    active = list(range(w.pods))
+    pending: list[list] = [[] for _ in engines]
+    active = list(range(w.engines))
     while active:
         nxt = []
         for p in active:
@@ -111,7 +111,7 @@ def generate(w: Workload) -> Iterator[tuple[str, KVEventBatch]]:
             parts.append(rng.integers(0, VOCAB, int(rng.integers(8, 64)) * BS))
             toks = np.concatenate(parts)
             keys = _keys(toks)
-            hashes = (keys ^ salts[p]).tolist()  # per-pod engine hashes
+            hashes = (keys ^ salts[p]).tolist()  # per-engine hashes
             kl = keys.tolist()
             c = cached[p]
             first = 0
@@ -137,23 +137,23 @@ def generate(w: Workload) -> Iterator[tuple[str, KVEventBatch]]:
                 resident[p] -= len(old_keys)
                 pending[p].append(BlockRemoved(block_hashes=old_hashes, medium="GPU"))
             if len(pending[p]) >= w.events_per_batch:
-                yield pods[p], KVEventBatch(0.0, pending[p])
+                yield engines[p], KVEventBatch(0.0, pending[p])
                 pending[p] = []
             if stored[p] < target:
                 nxt.append(p)
         active = nxt
-    for p in range(w.pods):
+    for p in range(w.engines):
         if pending[p]:
-            yield pods[p], KVEventBatch(0.0, pending[p])
+            yield engines[p], KVEventBatch(0.0, pending[p])
 
 
 def write(w: Workload, path: str) -> dict[str, int]:
-    """Write the workload as length-prefixed records: pod name, payload."""
+    """Write the workload as length-prefixed records: engine name, payload."""
     enc = BatchEncoder()
     n_batches = 0
     with open(path, "wb") as f:
-        for pod, batch in generate(w):
-            pb = pod.encode()
+        for engine, batch in generate(w):
+            pb = engine.encode()
             payload = enc.encode(batch)
             f.write(struct.pack("<HI", len(pb), len(payload)))
             f.write(pb)
@@ -163,7 +163,7 @@ def write(w: Workload, path: str) -> dict[str, int]:
 
 
 def read(path: str) -> Iterator[tuple[str, bytes]]:
-    """Records written by :func:`write`, as (pod, msgpack payload)."""
+    """Records written by :func:`write`, as (engine, msgpack payload)."""
     hdr = struct.Struct("<HI")
     # Streamed record by record so a reader's RSS holds one payload at a time.
     with open(path, "rb") as f:
@@ -172,5 +172,5 @@ def read(path: str) -> Iterator[tuple[str, bytes]]:
             if len(h) < hdr.size:
                 return
             lp, ln = hdr.unpack(h)
-            pod = f.read(lp).decode()
-            yield pod, f.read(ln)
+            engine = f.read(lp).decode()
+            yield engine, f.read(ln)

@@ -3,31 +3,31 @@
 Ownership and threads:
 
 * :class:`Aggregator` owns a :class:`~kvevents.subscriber.Subscriber` (one thread that
-  owns every ZeroMQ socket), the :class:`~kvevents.index.PrefixIndex`, the pod registry
+  owns every ZeroMQ socket), the :class:`~kvevents.index.PrefixIndex`, the engine registry
   and the :class:`~kvevents.feed.EventFeed`.
 * Ingest runs on the subscriber thread, off the HTTP event loop: each batch is applied
   to the index in per-publisher seq order as the subscriber delivers it (the index takes
   its own lock, so lookups from HTTP threads see whole batches).
-* The subscriber's signals are applied and counted: a restart drops the pod's state
+* The subscriber's signals are applied and counted: a restart drops the engine's state
   before its new batches; a loss that replay could not fill is counted and drops the
-  pod's state too (the index only claims blocks it can vouch for), after which the
-  pod's new announcements rebuild it.
+  engine's state too (the index only claims blocks it can vouch for), after which the
+  engine's new announcements rebuild it.
 * Ingest is supervised (issue 11): an exception while applying a batch is counted by
-  kind and the pod is rebuilt from replay with each event applied on its own, so one bad
-  event costs only itself; the loop's heartbeat and restarts feed ``/healthz``; the pod
+  kind and the engine is rebuilt from replay with each event applied on its own, so one bad
+  event costs only itself; the loop's heartbeat and restarts feed ``/healthz``; the engine
   count is bounded by the socket/file budget planned at start
   (:mod:`kvevents.ingest.budget`).
 
-* Durable restarts (``data_dir``): the index and each pod's last applied (seq, ts) are
+* Durable restarts (``data_dir``): the index and each engine's last applied (seq, ts) are
   captured together under ``_apply_lock`` and written by :mod:`kvevents.snapshot`
   every ``snapshot_interval_s`` and on ``stop()``. The constructor restores the newest
-  whole snapshot (or a peer's, ``bootstrap_from``), checks each pod's continuity and
-  resumes it at the next seq, or drops that pod's restored state (counted).
-* A housekeeping thread records since when each pod is disconnected: a pod down for
-  ``down_after_s`` is not offered for routing (:meth:`unroutable_pods`).
+  whole snapshot (or a peer's, ``bootstrap_from``), checks each engine's continuity and
+  resumes it at the next seq, or drops that engine's restored state (counted).
+* A housekeeping thread records since when each engine is disconnected: an engine down for
+  ``down_after_s`` is not offered for routing (:meth:`unroutable_engines`).
 
-Lifecycle: ``Aggregator(settings)`` -> ``start()`` -> queries / ``add_pod`` /
-``remove_pod`` from any thread -> ``stop()``.
+Lifecycle: ``Aggregator(settings)`` -> ``start()`` -> queries / ``add_engine`` /
+``remove_engine`` from any thread -> ``stop()``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from kvevents.index import ApplyStats, LookupResult, PrefixIndex
 from kvevents.metrics import AggregatorMetrics
 from kvevents.router import KVAwarePolicy
 from kvevents.schema import KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 from kvevents.subscriber import (
     BatchesLost,
     BatchReceived,
@@ -64,17 +64,17 @@ from kvevents.subscriber import (
 log = logging.getLogger(__name__)
 
 
-class PodExistsError(ValueError):
+class EngineExistsError(ValueError):
     pass
 
 
-class PodBudgetError(ValueError):
-    """More pods than the socket/file budget allows (see :mod:`kvevents.ingest.budget`)."""
+class EngineBudgetError(ValueError):
+    """More engines than the socket/file budget allows (see :mod:`kvevents.ingest.budget`)."""
 
 
 @dataclass
-class PodState:
-    spec: PodSpec
+class EngineState:
+    spec: EngineSpec
     added_at: float
     resyncs: int = 0  # times its state was dropped after a loss
     restore: str | None = None  # continuity outcome when restored from a snapshot
@@ -93,15 +93,15 @@ class Aggregator:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = AggregatorMetrics(self, self.registry)
         self.router = KVAwarePolicy()
-        self._pods: dict[str, PodState] = {}
-        self._pods_lock = threading.Lock()
-        self.budget: Budget = plan_budget(settings.max_pods)
-        if len(settings.pods) > self.budget.max_pods:
-            raise PodBudgetError(
-                f"{len(settings.pods)} pods configured but the socket budget allows "
-                f"{self.budget.max_pods} (open-file limit {self.budget.nofile_soft}, hard "
-                f"{self.budget.nofile_hard}; max_pods {settings.max_pods}): raise the hard "
-                "open-file limit (ulimit -Hn) or follow fewer pods")
+        self._engines: dict[str, EngineState] = {}
+        self._engines_lock = threading.Lock()
+        self.budget: Budget = plan_budget(settings.max_engines)
+        if len(settings.engines) > self.budget.max_engines:
+            raise EngineBudgetError(
+                f"{len(settings.engines)} engines configured but the socket budget allows "
+                f"{self.budget.max_engines} (open-file limit {self.budget.nofile_soft}, hard "
+                f"{self.budget.nofile_hard}; max_engines {settings.max_engines}): raise the hard "
+                "open-file limit (ulimit -Hn) or follow fewer engines")
         self._zmq = make_context(self.budget)
         self._subscriber = Subscriber(
             self._on_signal, replay_timeout=settings.replay_timeout_s,
@@ -110,9 +110,9 @@ class Aggregator:
             context=self._zmq, raw_tokens=True,  # the index reads token ids in place
             group_batches=True,  # one lock, core call, metric and feed item per drain
         )
-        # (pod, kind) -> count of exceptions while applying (kind: exception or event type).
+        # (engine, kind) -> count of exceptions while applying (kind: exception or event type).
         self.apply_errors: dict[tuple[str, str], int] = {}
-        # pod -> [seq of the batch that failed, resync seen]: while set, that pod's
+        # engine -> [seq of the batch that failed, resync seen]: while set, that engine's
         # batches up to the seq are applied event by event.
         self._careful: dict[str, list] = {}
         self._started = False
@@ -120,16 +120,16 @@ class Aggregator:
         # Held while a batch is applied and its anchor recorded, and while a snapshot
         # is captured, so a snapshot's index state and anchors always agree.
         self._apply_lock = threading.Lock()
-        self._anchors: dict[str, tuple[int, float]] = {}  # pod -> (seq, ts) last applied
-        self.snapshot_stats = {"written": 0, "errors": 0, "restored_pods": 0,
-                               "dropped_pods": 0, "last_write_s": None}
+        self._anchors: dict[str, tuple[int, float]] = {}  # engine -> (seq, ts) last applied
+        self.snapshot_stats = {"written": 0, "errors": 0, "restored_engines": 0,
+                               "dropped_engines": 0, "last_write_s": None}
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
         resume = snapshot.restore(self.index, settings, self.snapshot_stats)
-        for spec in settings.pods:
-            self.add_pod(spec, resume=resume.pop(spec.name, None))
-        for pair in resume.values():  # pods added at run time before the restart
-            self.add_pod(pair[0], resume=pair)
+        for spec in settings.engines:
+            self.add_engine(spec, resume=resume.pop(spec.name, None))
+        for pair in resume.values():  # engines added at run time before the restart
+            self.add_engine(pair[0], resume=pair)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -157,14 +157,14 @@ class Aggregator:
 
     def capture_snapshot(self) -> bytes:
         """The encoded snapshot of now (index + anchors agree)."""
-        with self._pods_lock:
-            specs = {name: asdict(p.spec) for name, p in self._pods.items()}
+        with self._engines_lock:
+            specs = {name: asdict(p.spec) for name, p in self._engines.items()}
         with self._apply_lock:
             state = self.index.export_state()
             anchors = dict(self._anchors)
-        pods = {name: snapshot.PodAnchor(spec, *anchors.get(name, (None, None)))
-                for name, spec in specs.items()}
-        return snapshot.encode(snapshot.Snapshot(time.time(), pods, state))
+        engines = {name: snapshot.EngineAnchor(spec, *anchors.get(name, (None, None)))
+                   for name, spec in specs.items()}
+        return snapshot.encode(snapshot.Snapshot(time.time(), engines, state))
 
     def save_snapshot(self) -> bool:
         """Write a snapshot to ``data_dir``; False (logged, counted) if it failed."""
@@ -184,7 +184,7 @@ class Aggregator:
     _TICK_S = 0.25
 
     def _housekeeping(self) -> None:
-        """Down-pod clocks and periodic snapshots; survives its own errors."""
+        """Down-engine clocks and periodic snapshots; survives its own errors."""
         next_snapshot = time.monotonic() + self.settings.snapshot_interval_s
         while not self._stop.wait(self._TICK_S):
             try:
@@ -198,27 +198,27 @@ class Aggregator:
     def _track_down(self) -> None:
         stats = self._subscriber.stats()
         now = time.monotonic()
-        with self._pods_lock:
-            for name, state in self._pods.items():
+        with self._engines_lock:
+            for name, state in self._engines.items():
                 st = stats.get(name)
                 if st is not None and st.connected > 0:
                     state.down_since = None
                 elif state.down_since is None:
                     state.down_since = now
 
-    def unroutable_pods(self) -> set[str]:
-        """Pods disconnected for at least ``down_after_s``: their blocks are not
+    def unroutable_engines(self) -> set[str]:
+        """Engines disconnected for at least ``down_after_s``: their blocks are not
         offered for routing (they stay in the index and in lookups)."""
         limit = time.monotonic() - self.settings.down_after_s
-        with self._pods_lock:
-            return {name for name, p in self._pods.items()
+        with self._engines_lock:
+            return {name for name, p in self._engines.items()
                     if p.down_since is not None and p.down_since <= limit}
 
     # -- health ------------------------------------------------------------------------
 
     def ingest_health(self) -> dict:
         """``ok`` False with a ``reason`` when ingest is not running or stuck (its
-        loop's heartbeat older than ``ingest_stuck_after_s`` while pods are followed;
+        loop's heartbeat older than ``ingest_stuck_after_s`` while engines are followed;
         the loop beats every 50 ms even when idle)."""
         sub = self._subscriber
         age = time.monotonic() - sub.heartbeat
@@ -226,16 +226,16 @@ class Aggregator:
                "loop_errors": sub.loop_errors, "thread_restarts": sub.thread_restarts}
         if not self._started or not sub.running():
             out.update(ok=False, reason="ingest is not running")
-        elif age > self.settings.ingest_stuck_after_s and self._pods:
+        elif age > self.settings.ingest_stuck_after_s and self._engines:
             out.update(ok=False, reason=f"ingest stuck: no loop heartbeat for {age:.1f}s")
         return out
 
-    def pod_counts(self) -> tuple[int, int]:
-        """(pods, live pods) without touching the index: health must answer even
+    def engine_counts(self) -> tuple[int, int]:
+        """(engines, live engines) without touching the index: health must answer even
         while ingest holds the index lock."""
         stats = self._subscriber.stats()
         now = time.time()
-        names = self._pod_names()
+        names = self._engine_names()
         live = sum(1 for n in names
                    if n in stats and not stats[n].replaying and self._status(stats[n], now) == "live")
         return len(names), live
@@ -245,37 +245,37 @@ class Aggregator:
         return time.time() - (time.monotonic() - self._subscriber.heartbeat)
 
     def readiness(self) -> dict:
-        """Ready when every followed pod finished its initial replay from seq 0 (a pod
+        """Ready when every followed engine finished its initial replay from seq 0 (an engine
         without a replay endpoint has none to wait for; one whose publisher is down
         keeps the aggregator not ready, listed in ``waiting``)."""
         stats = self._subscriber.stats()
-        waiting = sorted(name for name in self._pod_names()
+        waiting = sorted(name for name in self._engine_names()
                          if not (stats.get(name) and stats[name].initial_replay_done))
         return {"ready": not waiting and self._started, "waiting": waiting}
 
-    def _pod_names(self) -> list[str]:
-        with self._pods_lock:
-            return list(self._pods)
+    def _engine_names(self) -> list[str]:
+        with self._engines_lock:
+            return list(self._engines)
 
-    # -- pods ------------------------------------------------------------------------
+    # -- engines ------------------------------------------------------------------------
 
-    def add_pod(self, spec: PodSpec,
-                resume: tuple[PodSpec, snapshot.PodAnchor] | None = None) -> None:
-        """Follow a new publisher. Raises :class:`PodExistsError` for a taken name.
+    def add_engine(self, spec: EngineSpec,
+                   resume: tuple[EngineSpec, snapshot.EngineAnchor] | None = None) -> None:
+        """Follow a new publisher. Raises :class:`EngineExistsError` for a taken name.
         ``resume``: its state was restored up to the anchor; continue after it."""
-        with self._pods_lock:
-            if spec.name in self._pods:
-                raise PodExistsError(f"pod {spec.name!r} already exists")
-            if len(self._pods) >= self.budget.max_pods:
-                raise PodBudgetError(
-                    f"the socket budget allows {self.budget.max_pods} pods and all are in "
-                    "use: remove one, or raise the open-file limit or max_pods")
-            self._pods[spec.name] = PodState(spec, time.time(), down_since=time.monotonic())
+        with self._engines_lock:
+            if spec.name in self._engines:
+                raise EngineExistsError(f"engine {spec.name!r} already exists")
+            if len(self._engines) >= self.budget.max_engines:
+                raise EngineBudgetError(
+                    f"the socket budget allows {self.budget.max_engines} engines and all are in "
+                    "use: remove one, or raise the open-file limit or max_engines")
+            self._engines[spec.name] = EngineState(spec, time.time(), down_since=time.monotonic())
         anchor = resume[1] if resume else None
         if anchor is not None:
             with self._apply_lock:
                 self._anchors[spec.name] = (anchor.last_seq, anchor.last_ts)
-            self._pods[spec.name].restore = "resumed"
+            self._engines[spec.name].restore = "resumed"
         self._subscriber.add_source(
             SourceConfig(
                 spec.name, spec.endpoint, replay_endpoint=spec.replay_endpoint,
@@ -284,36 +284,36 @@ class Aggregator:
                 resume_ts=None if anchor is None else anchor.last_ts,
             )
         )
-        self.feed.publish("pod_added", {"pod": spec.name, "endpoint": spec.endpoint})
+        self.feed.publish("engine_added", {"engine": spec.name, "endpoint": spec.endpoint})
 
-    def remove_pod(self, name: str) -> None:
-        """Unsubscribe and drop the pod's state. Raises ``KeyError`` if unknown."""
-        with self._pods_lock:
-            if name not in self._pods:
+    def remove_engine(self, name: str) -> None:
+        """Unsubscribe and drop the engine's state. Raises ``KeyError`` if unknown."""
+        with self._engines_lock:
+            if name not in self._engines:
                 raise KeyError(name)
-            del self._pods[name]
+            del self._engines[name]
         self._subscriber.remove_source(name)
         with self._apply_lock:
-            self.index.drop_pod(name)
+            self.index.drop_engine(name)
             self._anchors.pop(name, None)
-        self.metrics.forget_pod(name)
-        self.feed.publish("pod_removed", {"pod": name})
+        self.metrics.forget_engine(name)
+        self.feed.publish("engine_removed", {"engine": name})
 
-    def pod_specs(self) -> list[PodSpec]:
-        with self._pods_lock:
-            return [p.spec for p in self._pods.values()]
+    def engine_specs(self) -> list[EngineSpec]:
+        with self._engines_lock:
+            return [p.spec for p in self._engines.values()]
 
     def source_stats(self) -> dict[str, SourceStats]:
         return self._subscriber.stats()
 
-    def pod_statuses(self) -> list[dict]:
-        """One entry per pod, as ``GET /v1/pods`` shows it."""
+    def engine_statuses(self) -> list[dict]:
+        """One entry per engine, as ``GET /v1/engines`` shows it."""
         stats = self._subscriber.stats()
         now = time.time()
         out = []
-        with self._pods_lock:
-            pods = list(self._pods.values())
-        for state in pods:
+        with self._engines_lock:
+            engines = list(self._engines.values())
+        for state in engines:
             spec = state.spec
             st = stats.get(spec.name) or SourceStats()
             out.append({
@@ -328,7 +328,7 @@ class Aggregator:
                 "last_seq": st.last_seq,
                 "lag_seconds": None if st.last_batch_ts is None else max(0.0, now - st.last_batch_ts),
                 "last_event_age_seconds": None if st.last_received is None else now - st.last_received,
-                "blocks": self.index.pod_block_counts(spec.name),
+                "blocks": self.index.engine_block_counts(spec.name),
                 "batches": st.batches,
                 "gaps": st.gaps,
                 "replayed_batches": st.replayed_batches,
@@ -342,12 +342,12 @@ class Aggregator:
             })
         return out
 
-    def down_pods(self) -> set[str]:
-        """Pods with no connection to their publisher now (no index access: cheap
+    def down_engines(self) -> set[str]:
+        """Engines with no connection to their publisher now (no index access: cheap
         enough for the event loop)."""
         stats = self._subscriber.stats()
-        with self._pods_lock:
-            names = list(self._pods)
+        with self._engines_lock:
+            names = list(self._engines)
         return {n for n in names if (stats.get(n) or SourceStats()).connected <= 0}
 
     def _status(self, st: SourceStats, now: float) -> str:
@@ -375,8 +375,8 @@ class Aggregator:
 
     # -- ingest (subscriber thread) -----------------------------------------------------
 
-    def _model_of(self, pod: str) -> tuple[bool, str | None]:
-        state = self._pods.get(pod)
+    def _model_of(self, engine: str) -> tuple[bool, str | None]:
+        state = self._engines.get(engine)
         return (state is not None, state.spec.model if state else None)
 
     def _on_signal(self, sig: Signal) -> None:
@@ -394,43 +394,43 @@ class Aggregator:
                 return
             self.metrics.observe_batch(sig.source, sig.batch.ts)
             self.feed.publish("batch", {
-                "pod": sig.source, "seq": sig.seq, "replayed": sig.replayed,
+                "engine": sig.source, "seq": sig.seq, "replayed": sig.replayed,
                 "stored": applied.stored_blocks, "removed": applied.removed_blocks,
                 "cleared": applied.cleared,
             })
         elif isinstance(sig, PublisherRestarted):
             with self._apply_lock:
-                self.index.drop_pod(sig.source)
+                self.index.drop_engine(sig.source)
                 self._anchors.pop(sig.source, None)
-            self.feed.publish("restart", {"pod": sig.source, "last_seq": sig.last_seq})
+            self.feed.publish("restart", {"engine": sig.source, "last_seq": sig.last_seq})
         elif isinstance(sig, BatchesLost):
             with self._apply_lock:
-                self.index.drop_pod(sig.source)
+                self.index.drop_engine(sig.source)
                 self._anchors.pop(sig.source, None)  # nothing restorable until rebuilt
-            with self._pods_lock:
-                state = self._pods.get(sig.source)
+            with self._engines_lock:
+                state = self._engines.get(sig.source)
                 if state is not None:
                     state.resyncs += 1
-            log.warning("pod %s: %d batches lost from seq %d (%s); its state was dropped",
+            log.warning("engine %s: %d batches lost from seq %d (%s); its state was dropped",
                         sig.source, sig.count, sig.first_seq, sig.reason)
-            self.feed.publish("loss", {"pod": sig.source, "first_seq": sig.first_seq,
+            self.feed.publish("loss", {"engine": sig.source, "first_seq": sig.first_seq,
                                        "count": sig.count, "reason": sig.reason})
         elif isinstance(sig, Resynced):
-            self.index.drop_pod(sig.source)
+            self.index.drop_engine(sig.source)
             careful = self._careful.get(sig.source)
             if careful is not None:
                 careful[1] = True
-            with self._pods_lock:
-                state = self._pods.get(sig.source)
+            with self._engines_lock:
+                state = self._engines.get(sig.source)
                 if state is not None:
                     state.resyncs += 1
-            self.feed.publish("resync", {"pod": sig.source, "reason": sig.reason})
+            self.feed.publish("resync", {"engine": sig.source, "reason": sig.reason})
         elif isinstance(sig, GapDetected):
-            self.feed.publish("gap", {"pod": sig.source, "expected": sig.expected_seq,
+            self.feed.publish("gap", {"engine": sig.source, "expected": sig.expected_seq,
                                       "received": sig.received_seq})
 
     def _on_batches(self, sig: BatchesReceived, model: str | None) -> None:
-        """Consecutive batches of one pod: applied, then observed, as one."""
+        """Consecutive batches of one engine: applied, then observed, as one."""
         with self._apply_lock:
             applied = self._apply_group(sig, model)
             if applied is not None:
@@ -439,13 +439,13 @@ class Aggregator:
             return
         self.metrics.observe_batches(sig.source, sig.batches)
         self.feed.publish("batch", {
-            "pod": sig.source, "seq": sig.seqs[-1], "batches": len(sig.seqs),
+            "engine": sig.source, "seq": sig.seqs[-1], "batches": len(sig.seqs),
             "replayed": sig.replayed, "stored": applied.stored_blocks,
             "removed": applied.removed_blocks, "cleared": applied.cleared,
         })
 
     def _apply_group(self, sig: BatchesReceived, model: str | None) -> ApplyStats | None:
-        """:meth:`_apply` for a group. While a pod is rebuilt after a failure its
+        """:meth:`_apply` for a group. While an engine is rebuilt after a failure its
         batches go one by one through the isolating path; otherwise the group applies
         in one call, and a failure marks the group's last seq as the one to rebuild
         event by event up to (which batch failed is not known)."""
@@ -465,20 +465,20 @@ class Aggregator:
         except Exception as exc:
             last = sig.seqs[-1]
             self._count_apply_error(sig.source, type(exc).__name__)
-            log.warning("pod %s: applying batches seq %d-%d failed (%s: %s); rebuilding the "
-                        "pod event by event", sig.source, sig.seqs[0], last,
+            log.warning("engine %s: applying batches seq %d-%d failed (%s: %s); rebuilding the "
+                        "engine event by event", sig.source, sig.seqs[0], last,
                         type(exc).__name__, exc)
             self._careful[sig.source] = [last, False]
             self._subscriber.resync(sig.source, f"apply failed at seq {sig.seqs[0]}-{last}")
             return None
 
-    def _count_apply_error(self, pod: str, kind: str) -> None:
-        key = (pod, kind)
+    def _count_apply_error(self, engine: str, kind: str) -> None:
+        key = (engine, kind)
         self.apply_errors[key] = self.apply_errors.get(key, 0) + 1
 
     def _apply(self, sig: BatchReceived, model: str | None) -> ApplyStats | None:
-        """Apply one batch; never raises. A batch that raises leaves the pod's state
-        unknown (part of it may be applied), so the pod is dropped and rebuilt from
+        """Apply one batch; never raises. A batch that raises leaves the engine's state
+        unknown (part of it may be applied), so the engine is dropped and rebuilt from
         replay, this time event by event up to the failing seq: the bad event is counted
         by its kind and skipped, the rest of its batch applies. Returns the stats, or
         None when the batch was not applied as a whole."""
@@ -492,7 +492,7 @@ class Aggregator:
             return self.index.apply_batch(sig.source, sig.batch, model=model)
         except Exception as exc:
             self._count_apply_error(sig.source, type(exc).__name__)
-            log.warning("pod %s: applying batch seq %d failed (%s: %s); rebuilding the pod "
+            log.warning("engine %s: applying batch seq %d failed (%s: %s); rebuilding the engine "
                         "event by event", sig.source, sig.seq, type(exc).__name__, exc)
             self._careful[sig.source] = [sig.seq, False]
             self._subscriber.resync(sig.source, f"apply failed at seq {sig.seq}")

@@ -89,16 +89,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", action="append", default=None,
                    metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
                    help="a publisher to follow (repeatable); options: replay=, model=, topic=, "
-                        "bind=1 (default: none; more can be added with POST /v1/pods)")
+                        "bind=1 (default: none; more can be added with POST /v1/engines)")
     p.add_argument("--host", default=None,
                    help="listen address (default: {default})")
     p.add_argument("--port", type=int, default=None, help="listen port (default: {default})")
     p.add_argument("--auth-token", default=None,
-                   help="bearer token required on POST/DELETE /v1/pods (default: none, open)")
+                   help="bearer token required on POST/DELETE /v1/engines (default: none, open)")
     p.add_argument("--stale-after", type=float, default=None, dest="stale_after_s", metavar="SECONDS",
-                   help="seconds of silence after which a pod is 'stale' (default: {default})")
+                   help="seconds of silence after which an engine is 'stale' (default: {default})")
     p.add_argument("--down-after", type=float, default=None, dest="down_after_s", metavar="SECONDS",
-                   help="seconds disconnected after which a pod is not routed to (default: {default})")
+                   help="seconds disconnected after which an engine is not routed to (default: {default})")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="keep index snapshots here and restore them on start "
                         "(env KVEVENTS_DATA_DIR; default: {default}, start empty)")
@@ -155,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         settings = load_settings(
-            args.config, pods=args.endpoint, host=args.host, port=args.port,
+            args.config, engines=args.endpoint, host=args.host, port=args.port,
             auth_token=args.auth_token, stale_after_s=args.stale_after_s, log_level=args.log_level,
             down_after_s=args.down_after_s, data_dir=args.data_dir,
             snapshot_interval_s=args.snapshot_interval_s, bootstrap_from=args.bootstrap_from,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from kvevents.index.results import IndexCounters
     from kvevents.ingest.budget import Budget
-    from kvevents.settings import PodSpec
+    from kvevents.settings import EngineSpec
     from kvevents.subscriber import SourceStats
 
 
@@ -24,17 +24,17 @@ class IndexView(Protocol):
 
     def counters(self) -> IndexCounters: ...
 
-    def pod_block_counts(self, pod: str) -> dict[str, int]: ...
+    def engine_block_counts(self, engine: str) -> dict[str, int]: ...
 
 
 class FleetView(Protocol):
-    """What is followed and how it is doing: engines (pod specs), their stream
+    """What is followed and how it is doing: engines (engine specs), their stream
     statistics, and the index."""
 
     @property
     def index(self) -> IndexView: ...
 
-    def pod_specs(self) -> list[PodSpec]: ...
+    def engine_specs(self) -> list[EngineSpec]: ...
 
     def source_stats(self) -> Mapping[str, SourceStats]: ...
 

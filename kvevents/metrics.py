@@ -8,7 +8,7 @@ next scrape. Only what has no state elsewhere (latency and lag distributions, lo
 totals) is observed as it happens; a removed engine's lag series is removed with it.
 
 Labels: ``engine`` is the followed engine's name (the name given to ``serve
---endpoint`` / ``POST /v1/pods``). No metric uses a label that Kubernetes service
+--endpoint`` / ``POST /v1/engines``). No metric uses a label that Kubernetes service
 discovery or the Prometheus operator attach to scraped series themselves (``pod``,
 ``namespace``, ``service``, ``container``, ``endpoint``, ``instance``, ``job``): a clash
 would rename ours ``exported_*``. Hence ``api`` (lookup | route), not ``endpoint``, on
@@ -47,7 +47,7 @@ kvevents_apply_errors_total                 exceptions while applying {engine, m
 kvevents_ingest_heartbeat_timestamp_seconds wall time of the ingest loop's last iteration
 kvevents_ingest_restarts_total              ingest thread restarts by the watchdog
 kvevents_ingest_loop_errors_total           ingest loop iterations that raised (retried)
-kvevents_ingest_max_pods                    engines the socket/file budget allows
+kvevents_ingest_max_engines                 engines the socket/file budget allows
 kvevents_socket_errors_total                failed socket operations, retried {engine, ...}
 kvevents_seq_jumps_total                    seqs beyond the believable window {engine, ...}
 kvevents_continuity_mismatches_total        replays that showed a restarted publisher {engine, ...}
@@ -128,7 +128,7 @@ class AggregatorMetrics:
         self._lock = threading.Lock()
 
     def _model_of(self, engine: str) -> str:
-        for spec in self._view.pod_specs():
+        for spec in self._view.engine_specs():
             if spec.name == engine:
                 return spec.model or ""
         return ""
@@ -139,7 +139,7 @@ class AggregatorMetrics:
         if not model:
             return ""
         if model not in self._models:
-            self._models = frozenset(s.model for s in self._view.pod_specs() if s.model)
+            self._models = frozenset(s.model for s in self._view.engine_specs() if s.model)
         return model if model in self._models else ""
 
     def observe_batch(self, engine: str, batch_ts: float) -> None:
@@ -158,8 +158,8 @@ class AggregatorMetrics:
         with self._lock:  # lookups run on several HTTP threads
             self.totals["lookups"] += 1
             self.totals["prompt_tokens"] += result.prompt_tokens
-        if result.pods:
-            best = result.pods[0]
+        if result.engines:
+            best = result.engines[0]
             self.matched_tokens.labels(*labels).inc(best.tokens)
             with self._lock:
                 self.totals["matched_tokens"] += best.tokens
@@ -168,7 +168,7 @@ class AggregatorMetrics:
             for tier, n in best.tiers.items():
                 self.tier_tokens.labels(*labels, tier).inc(n)
 
-    def forget_pod(self, engine: str) -> None:
+    def forget_engine(self, engine: str) -> None:
         """Drop a removed engine's histogram series (the state families drop it by
         themselves: they are built from the engines followed now)."""
         self.event_lag.forget(engine)
@@ -245,7 +245,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view = self._view
-        specs = view.pod_specs()
+        specs = view.engine_specs()
         model = {s.name: s.model or "" for s in specs}
         counters = view.index.counters()
         applied = CounterMetricFamily(
@@ -255,9 +255,9 @@ class _StateCollector(Collector):
             "kvevents_block_events_applied", "Block entries in applied events",
             labels=[*ENGINE_LABELS, "tier", "type"])
         for row in counters.applied:
-            if row.pod in model:  # the index keeps counts of removed engines; we do not
-                applied.add_metric([row.pod, model[row.pod], row.tier, row.type], row.events)
-                blocks.add_metric([row.pod, model[row.pod], row.tier, row.type], row.blocks)
+            if row.engine in model:  # the index keeps counts of removed engines; we do not
+                applied.add_metric([row.engine, model[row.engine], row.tier, row.type], row.events)
+                blocks.add_metric([row.engine, model[row.engine], row.tier, row.type], row.blocks)
         yield applied
         yield blocks
 
@@ -305,7 +305,7 @@ class _StateCollector(Collector):
             st = stats.get(name)
             if st is None:
                 continue
-            for tier, n in view.index.pod_block_counts(name).items():
+            for tier, n in view.index.engine_block_counts(name).items():
                 resident.add_metric([name, m, tier], n)
             up.add_metric([name, m], 1.0 if st.connected > 0 else 0.0)
             if st.last_seq is not None:
@@ -349,17 +349,17 @@ class _StateCollector(Collector):
         apply_errors = CounterMetricFamily(
             "kvevents_apply_errors", "Exceptions while applying batches or events",
             labels=[*ENGINE_LABELS, "kind"])
-        for (pod, kind), n in list(view.apply_errors.items()):
-            if pod in model:
-                apply_errors.add_metric([pod, model[pod], kind], n)
+        for (engine, kind), n in list(view.apply_errors.items()):
+            if engine in model:
+                apply_errors.add_metric([engine, model[engine], kind], n)
         yield apply_errors
         refused = CounterMetricFamily(
             "kvevents_refused_events", "Events the index refused (bad hashes or tokens, a "
             "namespace or tier cap reached), by reason", labels=[*ENGINE_LABELS, "reason"])
-        for pod, reasons in counters.refused_events.items():
-            if pod in model:
+        for engine, reasons in counters.refused_events.items():
+            if engine in model:
                 for reason, n in reasons.items():
-                    refused.add_metric([pod, model[pod], reason], n)
+                    refused.add_metric([engine, model[engine], reason], n)
         yield refused
         health = view.ingest_health()
         beat = GaugeMetricFamily("kvevents_ingest_heartbeat_timestamp_seconds",
@@ -374,10 +374,10 @@ class _StateCollector(Collector):
                                           "Ingest loop iterations that raised (retried)")
         loop_errors.add_metric([], health["loop_errors"])
         yield loop_errors
-        max_pods = GaugeMetricFamily("kvevents_ingest_max_pods",
-                                     "Engines the socket/file budget allows")
-        max_pods.add_metric([], view.budget.max_pods)
-        yield max_pods
+        max_engines = GaugeMetricFamily("kvevents_ingest_max_engines",
+                                        "Engines the socket/file budget allows")
+        max_engines.add_metric([], view.budget.max_engines)
+        yield max_engines
         yield resident
         yield up
         yield last_seq

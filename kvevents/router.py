@@ -36,12 +36,12 @@ from kvevents.index import LookupResult
 _TIE_EPS = 1e-9
 
 
-def without_pods(lookup: LookupResult, pods: set[str]) -> LookupResult:
-    """``lookup`` with the matches of ``pods`` removed: blocks of engines that are
+def without_engines(lookup: LookupResult, engines: set[str]) -> LookupResult:
+    """``lookup`` with the matches of ``engines`` removed: blocks of engines that are
     gone (down for ``down_after_s``) must not attract requests."""
-    if not pods or not any(m.pod in pods for m in lookup.pods):
+    if not engines or not any(m.engine in engines for m in lookup.engines):
         return lookup
-    return msgspec.structs.replace(lookup, pods=[m for m in lookup.pods if m.pod not in pods])
+    return msgspec.structs.replace(lookup, engines=[m for m in lookup.engines if m.engine not in engines])
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,13 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class Candidate:
-    pod: str
+    engine: str
     load: EngineLoad = field(default_factory=EngineLoad)
 
 
 @dataclass(frozen=True)
-class PodScore:
-    pod: str
+class EngineScore:
+    engine: str
     score: float
     cache_score: float
     load: float
@@ -76,10 +76,10 @@ class PodScore:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    pod: str
+    engine: str
     matched_tokens: int
     tiers: dict[str, int]
-    scores: list[PodScore]
+    scores: list[EngineScore]
     reason: str
 
 
@@ -104,9 +104,9 @@ def _load_of(c: Candidate, kv_weight: float) -> float:
     return c.load.waiting + c.load.running + kv_weight * c.load.kv_usage
 
 
-def _tie_key(token_ids: Sequence[int], pod: str) -> bytes:
+def _tie_key(token_ids: Sequence[int], engine: str) -> bytes:
     head = ",".join(map(str, token_ids[:64])).encode()
-    return hashlib.blake2b(head + b"|" + pod.encode(), digest_size=8).digest()
+    return hashlib.blake2b(head + b"|" + engine.encode(), digest_size=8).digest()
 
 
 class KVAwarePolicy:
@@ -124,7 +124,7 @@ class KVAwarePolicy:
         if not candidates:
             raise ValueError("no candidate engines")
         cfg = self.config
-        matches = {m.pod: m for m in lookup.pods}
+        matches = {m.engine: m for m in lookup.engines}
         loads = [_load_of(c, cfg.kv_weight) for c in candidates]
         max_load, min_load = max(loads), min(loads)
         n = max(1, lookup.prompt_tokens)
@@ -132,26 +132,26 @@ class KVAwarePolicy:
         affinity = self._affinity(token_ids, candidates, matches)
         scores = []
         for c, load in zip(candidates, loads):
-            m = matches.get(c.pod)
+            m = matches.get(c.engine)
             total = m.tokens if m else 0
             tiers = dict(m.tiers) if m else {}
             gpu = min(tiers.get("GPU", 0), total)
             cache = (w_gpu * gpu + w_cpu * (total - gpu)) / n
             score = cache - cfg.load_weight * load / (max_load + 1)
-            if c.pod == affinity:
+            if c.engine == affinity:
                 score += cfg.affinity_weight
-            eligible = load - min_load <= cfg.max_imbalance and c.pod not in down
-            scores.append(PodScore(c.pod, score, cache, load, total, tiers, eligible))
-        up = [s for s in scores if s.pod not in down] or scores
+            eligible = load - min_load <= cfg.max_imbalance and c.engine not in down
+            scores.append(EngineScore(c.engine, score, cache, load, total, tiers, eligible))
+        up = [s for s in scores if s.engine not in down] or scores
         pool = [s for s in up if s.eligible] or up
         best_score = max(s.score for s in pool)
         tied = [s for s in pool if best_score - s.score <= _TIE_EPS]
-        best = min(tied, key=lambda s: _tie_key(token_ids, s.pod)) if len(tied) > 1 else tied[0]
+        best = min(tied, key=lambda s: _tie_key(token_ids, s.engine)) if len(tied) > 1 else tied[0]
         reason = self._reason(best, up, pool, tied, n)
-        if best.pod not in down and any(s.pod in down for s in scores):
-            reason += f"; skipped down: {', '.join(sorted(s.pod for s in scores if s.pod in down))}"
+        if best.engine not in down and any(s.engine in down for s in scores):
+            reason += f"; skipped down: {', '.join(sorted(s.engine for s in scores if s.engine in down))}"
         scores.sort(key=lambda s: -s.score)
-        return RouteDecision(best.pod, best.matched_tokens, best.tiers, scores, reason)
+        return RouteDecision(best.engine, best.matched_tokens, best.tiers, scores, reason)
 
     @staticmethod
     def _affinity(token_ids: Sequence[int], candidates: Sequence[Candidate],
@@ -164,19 +164,19 @@ class KVAwarePolicy:
         same engine even after its blocks were evicted there, so each engine serves a
         stable share of conversations and its cache holds them longer.
         """
-        common = min((matches[c.pod].tokens if c.pod in matches else 0) for c in candidates)
+        common = min((matches[c.engine].tokens if c.engine in matches else 0) for c in candidates)
         key = ",".join(map(str, token_ids[common:common + 64])).encode()
         return max(candidates, key=lambda c: hashlib.blake2b(
-            key + b"|" + c.pod.encode(), digest_size=8).digest()).pod
+            key + b"|" + c.engine.encode(), digest_size=8).digest()).engine
 
     @staticmethod
-    def _reason(best: PodScore, scores: list[PodScore], pool: list[PodScore],
-                tied: list[PodScore], n: int) -> str:
+    def _reason(best: EngineScore, scores: list[EngineScore], pool: list[EngineScore],
+                tied: list[EngineScore], n: int) -> str:
         top_cache = max(scores, key=lambda s: s.cache_score)
         if not top_cache.eligible and top_cache.cache_score > best.cache_score:
-            return (f"load guard: {top_cache.pod} caches more ({top_cache.matched_tokens} tokens) "
+            return (f"load guard: {top_cache.engine} caches more ({top_cache.matched_tokens} tokens) "
                     f"but is {top_cache.load - min(s.load for s in scores):g} requests busier than "
-                    f"the least loaded; chose {best.pod}")
+                    f"the least loaded; chose {best.engine}")
         if best.matched_tokens == 0:
             why = "no engine caches a prefix of this prompt: least loaded"
         else:
@@ -200,8 +200,8 @@ class RoundRobinPolicy:
         if not candidates:
             raise ValueError("no candidate engines")
         c = candidates[next(self._counter) % len(candidates)]
-        m = {p.pod: p for p in lookup.pods}.get(c.pod) if lookup else None
-        return RouteDecision(c.pod, m.tokens if m else 0, dict(m.tiers) if m else {}, [],
+        m = {p.engine: p for p in lookup.engines}.get(c.engine) if lookup else None
+        return RouteDecision(c.engine, m.tokens if m else 0, dict(m.tiers) if m else {}, [],
                              "round robin")
 
 
@@ -217,12 +217,12 @@ class LeastLoadedPolicy:
                candidates: Sequence[Candidate]) -> RouteDecision:
         if not candidates:
             raise ValueError("no candidate engines")
-        loads = {c.pod: _load_of(c, self.kv_weight) for c in candidates}
+        loads = {c.engine: _load_of(c, self.kv_weight) for c in candidates}
         low = min(loads.values())
-        tied = [c.pod for c in candidates if loads[c.pod] - low <= _TIE_EPS]
-        pod = min(tied, key=lambda p: _tie_key(token_ids, p))
-        m = {p.pod: p for p in lookup.pods}.get(pod) if lookup else None
-        return RouteDecision(pod, m.tokens if m else 0, dict(m.tiers) if m else {}, [],
+        tied = [c.engine for c in candidates if loads[c.engine] - low <= _TIE_EPS]
+        engine = min(tied, key=lambda p: _tie_key(token_ids, p))
+        m = {p.engine: p for p in lookup.engines}.get(engine) if lookup else None
+        return RouteDecision(engine, m.tokens if m else 0, dict(m.tiers) if m else {}, [],
                              f"least loaded ({low:g})")
 
 

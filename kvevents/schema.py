@@ -38,7 +38,7 @@ BlockHash = Union[int, bytes]
 # surfaces as UnicodeDecodeError (a ValueError): the fuzz tests found it.
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, ValueError)
 
-#: Media names engines use. ``None`` on the wire means GPU.
+#: Tier names as vLLM's ``medium`` field carries them. ``None`` on the wire means GPU.
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 

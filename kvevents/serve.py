@@ -79,9 +79,9 @@ def run_server(settings: AggregatorSettings) -> int:
         return 2
     tune_gc()
     sock = bind_socket(settings.host, settings.port)
-    for pod in settings.pods:
-        log.info("following %s at %s%s", pod.name, pod.endpoint,
-                 f" (replay {pod.replay_endpoint})" if pod.replay_endpoint else "")
+    for engine in settings.engines:
+        log.info("following %s at %s%s", engine.name, engine.endpoint,
+                 f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else "")
     config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
     try:
         uvicorn.Server(config).run(sockets=[sock])

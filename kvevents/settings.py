@@ -10,10 +10,14 @@ Hugging Face tokenizer directory; ``KVEVENTS_TOKENIZERS`` separates them with ``
 the config file's ``tokenizers`` is a table ``{MODEL = "PATH"}`` or a list of
 ``"MODEL=PATH"``.
 
-A pod (one publisher to follow) is written ``NAME=ENDPOINT[,replay=ENDPOINT][,model=M]
+An engine (one publisher to follow) is written ``NAME=ENDPOINT[,replay=ENDPOINT][,model=M]
 [,topic=T][,bind=1]``, e.g. ``vllm-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558``,
-or in a config file as a table with :class:`PodSpec`'s field names. In the environment,
-pods are separated by ``;`` or whitespace.
+or in a config file as a table with :class:`EngineSpec`'s field names. In the environment,
+engines are separated by ``;`` or whitespace.
+
+Engines were called pods before: the old config keys ``pods`` / ``max_pods`` (and
+``endpoints``), the variables ``KVEVENTS_PODS`` / ``KVEVENTS_MAX_PODS`` and the name
+``PodSpec`` are still accepted; the new names win when both are given.
 
 Failure: :func:`load_settings` raises :class:`SettingsError`, one line per bad field,
 each naming where the value came from (flag, variable, or file and key) and what is
@@ -40,21 +44,22 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from kvevents.defaults import DEFAULT_PORT
 from kvevents.transport import validate_endpoint
 
-POD_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-_POD_NAME = re.compile(POD_NAME_PATTERN)
+ENGINE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+_ENGINE_NAME = re.compile(ENGINE_NAME_PATTERN)
 ENV_PREFIX = "KVEVENTS_"
-__all__ = ["DEFAULT_PORT", "AggregatorSettings", "PodSpec", "SettingsError", "load_settings"]
+__all__ = ["DEFAULT_PORT", "AggregatorSettings", "EngineSpec", "PodSpec", "SettingsError",
+           "load_settings"]
 
 
 class EndpointError(ValueError):
-    """A pod endpoint the subscriber could not use; ``field`` names which one."""
+    """An engine endpoint the subscriber could not use; ``field`` names which one."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
 
 
-def check_pod_endpoint(endpoint: str, field: str, *, connect: bool) -> None:
+def check_engine_endpoint(endpoint: str, field: str, *, connect: bool) -> None:
     """Raise :class:`EndpointError` unless ``endpoint`` works for the subscriber.
 
     Every tcp endpoint needs a port in 1..65535; one the subscriber connects to (the
@@ -76,16 +81,16 @@ def check_pod_endpoint(endpoint: str, field: str, *, connect: bool) -> None:
             "give the publisher's host (or bind=1 for publishers that connect to us)", field)
 
 
-def validate_pod_name(name: str) -> str:
-    if not _POD_NAME.match(name):
+def validate_engine_name(name: str) -> str:
+    if not _ENGINE_NAME.match(name):
         raise ValueError(
-            f"pod name {name!r} must be 1-128 characters of letters, digits, '.', '_', ':' or '-'"
+            f"engine name {name!r} must be 1-128 characters of letters, digits, '.', '_', ':' or '-'"
         )
     return name
 
 
 @dataclass(frozen=True)
-class PodSpec:
+class EngineSpec:
     """One publisher the aggregator follows. ``bind``: publishers connect to us."""
 
     name: str
@@ -96,13 +101,13 @@ class PodSpec:
     bind: bool = False
 
     def __post_init__(self) -> None:
-        validate_pod_name(self.name)
-        check_pod_endpoint(self.endpoint, "endpoint", connect=not self.bind)
+        validate_engine_name(self.name)
+        check_engine_endpoint(self.endpoint, "endpoint", connect=not self.bind)
         if self.replay_endpoint is not None:
-            check_pod_endpoint(self.replay_endpoint, "replay_endpoint", connect=True)
+            check_engine_endpoint(self.replay_endpoint, "replay_endpoint", connect=True)
 
     @classmethod
-    def parse(cls, text: str) -> PodSpec:
+    def parse(cls, text: str) -> EngineSpec:
         """Parse ``NAME=ENDPOINT[,replay=E][,model=M][,topic=T][,bind=1]``."""
         name, sep, rest = text.partition("=")
         if not sep or not rest:
@@ -125,8 +130,8 @@ class PodSpec:
         return cls(name=name.strip(), endpoint=endpoint.strip(), **kw)
 
     @classmethod
-    def from_table(cls, table: Mapping[str, Any]) -> PodSpec:
-        """A pod written as a table (config file); unknown keys are errors."""
+    def from_table(cls, table: Mapping[str, Any]) -> EngineSpec:
+        """An engine written as a table (config file); unknown keys are errors."""
         known = ("name", "endpoint", "replay_endpoint", "model", "topic", "bind")
         unknown = sorted(set(table) - set(known))
         if unknown:
@@ -139,6 +144,12 @@ class PodSpec:
             if not isinstance(value, want) and not (value is None and key in ("replay_endpoint", "model")):
                 raise ValueError(f"key {key!r} must be a {want.__name__}, got {value!r}")
         return cls(**table)
+
+
+#: Deprecated alias of :class:`EngineSpec` (engines were called pods before); kept for
+#: code that embeds the aggregator and still imports the old name.
+PodSpec = EngineSpec
+
 
 def parse_tokenizer(text: str) -> tuple[str, str]:
     """Parse ``MODEL=PATH`` (a tokenizer directory for the model's prompts)."""
@@ -169,12 +180,18 @@ def _inputs() -> tuple[Mapping[str, str], str | None]:
     return os.environ, os.environ.get(f"{ENV_PREFIX}CONFIG") or None
 
 
-# Older variable names users already set; the field-named ones win when both are.
-_LEGACY_ENV = {"pods": "KVEVENTS_ENDPOINTS", "stale_after_s": "KVEVENTS_STALE_AFTER",
-               "replay_timeout_s": "KVEVENTS_REPLAY_TIMEOUT", "down_after_s": "KVEVENTS_DOWN_AFTER",
-               "snapshot_interval_s": "KVEVENTS_SNAPSHOT_INTERVAL",
-               "replay_deadline_s": "KVEVENTS_REPLAY_DEADLINE",
-               "ingest_stuck_after_s": "KVEVENTS_INGEST_STUCK_AFTER"}
+# Older variable names users already set; the field-named ones win when both are (and
+# earlier ones in a tuple over later ones). KVEVENTS_PODS / KVEVENTS_MAX_PODS: engines
+# were called pods before.
+_LEGACY_ENV: dict[str, tuple[str, ...]] = {
+    "engines": ("KVEVENTS_PODS", "KVEVENTS_ENDPOINTS"), "max_engines": ("KVEVENTS_MAX_PODS",),
+    "stale_after_s": ("KVEVENTS_STALE_AFTER",), "replay_timeout_s": ("KVEVENTS_REPLAY_TIMEOUT",),
+    "down_after_s": ("KVEVENTS_DOWN_AFTER",), "snapshot_interval_s": ("KVEVENTS_SNAPSHOT_INTERVAL",),
+    "replay_deadline_s": ("KVEVENTS_REPLAY_DEADLINE",),
+    "ingest_stuck_after_s": ("KVEVENTS_INGEST_STUCK_AFTER",)}
+# Older config-file keys (and keyword arguments) of renamed fields, accepted as aliases.
+_OLD_KEYS: dict[str, tuple[str, ...]] = {"engines": ("pods", "endpoints"), "max_engines": ("max_pods",)}
+_NEW_KEY = {old: new for new, olds in _OLD_KEYS.items() for old in olds}
 
 
 def env_name(field: str) -> str:
@@ -186,7 +203,7 @@ class _EnvironmentSource(PydanticBaseSettingsSource):
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         environ, _ = _inputs()
-        for var in (env_name(field_name), _LEGACY_ENV.get(field_name)):
+        for var in (env_name(field_name), *_LEGACY_ENV.get(field_name, ())):
             if var and environ.get(var):
                 return environ[var], field_name, False
         return None, field_name, False
@@ -243,13 +260,13 @@ class AggregatorSettings(BaseSettings):
 
     model_config = SettingsConfigDict(frozen=True, extra="forbid", validate_default=True)
 
-    pods: tuple[InstanceOf[PodSpec], ...] = Field(
-        (), validation_alias=AliasChoices("pods", "endpoints"),
+    engines: tuple[InstanceOf[EngineSpec], ...] = Field(
+        (), validation_alias=AliasChoices("engines", *_OLD_KEYS["engines"]),
         description="publishers to follow, NAME=tcp://HOST:PORT[,replay=...] or tables")
     host: str = Field("127.0.0.1", min_length=1, description="HTTP listen address")
     port: int = Field(DEFAULT_PORT, ge=1, le=65535, description="HTTP listen port, 1-65535")
     auth_token: str | None = Field(None, description="bearer token required on mutating endpoints")
-    stale_after_s: float = Field(30.0, gt=0, description="seconds of silence after which a pod is 'stale'")
+    stale_after_s: float = Field(30.0, gt=0, description="seconds of silence after which an engine is 'stale'")
     replay_timeout_s: float = Field(2.0, gt=0, description="seconds to wait for a replay reply")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest HTTP request body")
     max_prompt_tokens: int = Field(1_000_000, ge=1, description="longest prompt a lookup takes")
@@ -257,7 +274,7 @@ class AggregatorSettings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level")
     down_after_s: float = Field(
-        30.0, ge=0, description="seconds disconnected after which a pod is not routed to")
+        30.0, ge=0, description="seconds disconnected after which an engine is not routed to")
     data_dir: str | None = Field(
         None, description="directory for index snapshots, restored on start (none: start empty)")
     snapshot_interval_s: float = Field(60.0, gt=0, description="seconds between snapshots")
@@ -269,8 +286,8 @@ class AggregatorSettings(BaseSettings):
                         "chat: MODEL=PATH, ';'-separated in the environment, a table "
                         "{MODEL = \"PATH\"} or a list in the config file")
     # Ingest robustness: replay deadline per gap (no progress this long: the gap is lost
-    # and the pod resyncs), the believable seq jump, byte bound of the live messages held
-    # back during a replay, ZeroMQ receive queue per pod (messages), pods allowed (None:
+    # and the engine resyncs), the believable seq jump, byte bound of the live messages held
+    # back during a replay, ZeroMQ receive queue per engine (messages), engines allowed (None:
     # what the socket/file budget allows), and how old the ingest loop's heartbeat may
     # get before /healthz says it is stuck.
     replay_deadline_s: float = Field(5.0, gt=0, description="seconds a replay may make no "
@@ -278,9 +295,10 @@ class AggregatorSettings(BaseSettings):
     seq_window: int = Field(1_000_000, ge=1, description="largest believable forward seq jump")
     max_pending_bytes: int = Field(32 * 1024 * 1024, ge=0,
                                    description="bytes of live messages held back during a replay")
-    recv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive queue per pod, in messages")
-    max_pods: int | None = Field(None, ge=0, description="pods allowed (none: the socket and "
-                                                         "file budget decides)")
+    recv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive queue per engine, in messages")
+    max_engines: int | None = Field(
+        None, ge=0, validation_alias=AliasChoices("max_engines", *_OLD_KEYS["max_engines"]),
+        description="engines allowed (none: the socket and file budget decides)")
     ingest_stuck_after_s: float = Field(10.0, gt=0, description="heartbeat age at which "
                                                                 "/healthz reports ingest stuck")
 
@@ -310,22 +328,22 @@ class AggregatorSettings(BaseSettings):
                 raise ValueError(f"model {m!r} given more than once")
         return tuple(out)
 
-    @field_validator("pods", mode="before")
+    @field_validator("engines", mode="before")
     @classmethod
-    def _parse_pods(cls, value: Any) -> Any:
+    def _parse_engines(cls, value: Any) -> Any:
         if isinstance(value, str):  # from the environment: separated by ';' or whitespace
             value = [s for s in re.split(r"[;\s]+", value.strip()) if s]
         if not isinstance(value, (list, tuple)):
-            raise ValueError("expected a list of pods")
+            raise ValueError("expected a list of engines")
         out = []
         for i, item in enumerate(value):
             try:
-                if isinstance(item, PodSpec):
+                if isinstance(item, EngineSpec):
                     out.append(item)
                 elif isinstance(item, str):
-                    out.append(PodSpec.parse(item))
+                    out.append(EngineSpec.parse(item))
                 elif isinstance(item, Mapping):
-                    out.append(PodSpec.from_table(item))
+                    out.append(EngineSpec.from_table(item))
                 else:
                     raise ValueError(f"expected 'NAME=ENDPOINT,...' or a table, got {item!r}")
             except ValueError as exc:
@@ -333,10 +351,10 @@ class AggregatorSettings(BaseSettings):
         return tuple(out)
 
     @model_validator(mode="after")
-    def _unique_pods(self) -> AggregatorSettings:
-        names = [p.name for p in self.pods]
+    def _unique_engines(self) -> AggregatorSettings:
+        names = [p.name for p in self.engines]
         if len(names) != len(set(names)):
-            raise ValueError(f"pod names must be unique, got {names}")
+            raise ValueError(f"engine names must be unique, got {names}")
         return self
 
     @classmethod
@@ -355,12 +373,14 @@ def _where(field: str, flags: Mapping[str, Any], environ: Mapping[str, str],
            config: str | None, file_data: Mapping[str, Any]) -> str:
     """Which source supplied ``field``, in priority order, as the user would name it."""
     if field in flags:
-        return "--" + {"pods": "endpoint"}.get(field, field.replace("_", "-"))
-    for var in (env_name(field), _LEGACY_ENV.get(field)):
+        return "--" + {"engines": "endpoint"}.get(field, field.replace("_", "-"))
+    for var in (env_name(field), *_LEGACY_ENV.get(field, ())):
         if var and environ.get(var):
             return f"environment variable {var}"
-    if config and (field in file_data or (field == "pods" and "endpoints" in file_data)):
-        return f"{config}: field {field!r}"
+    if config:
+        for key in (field, *_OLD_KEYS.get(field, ())):
+            if key in file_data:
+                return f"{config}: field {key!r}"
     return f"setting {field!r}"
 
 
@@ -376,7 +396,7 @@ def _describe(exc: ValidationError, flags: Mapping[str, Any], environ: Mapping[s
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
-        field = {"endpoints": "pods"}.get(loc[0], loc[0]) if loc else ""
+        field = _NEW_KEY.get(loc[0], loc[0]) if loc else ""
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             where = f"{config}: field {field!r}" if config and field in file_data else f"setting {field!r}"
@@ -387,7 +407,7 @@ def _describe(exc: ValidationError, flags: Mapping[str, Any], environ: Mapping[s
             continue
         where = _where(field, flags, environ, config, file_data)
         info = AggregatorSettings.model_fields.get(field)
-        if field == "pods":  # PodSpec's messages already quote the entry and the syntax
+        if field == "engines":  # EngineSpec's messages already quote the entry and the syntax
             lines.append(f"{where}: {msg}")
             continue
         hint = f" (expected: {info.description})" if info is not None and info.description else ""

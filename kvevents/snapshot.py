@@ -1,12 +1,12 @@
-"""Durable restarts: snapshots of the index plus where each pod's stream stood.
+"""Durable restarts: snapshots of the index plus where each engine's stream stood.
 
 A snapshot is one file::
 
     magic b"KVEVSNAP" | version u32 | meta length u32 | state length u64
     | blake2b-256 of (meta + state) | meta (JSON) | state (PrefixIndex.export_state())
 
-``meta`` holds, per pod, its spec and the seq and publisher timestamp of the last batch
-applied to ``state``: the anchor from which the pod's stream resumes. The pair is
+``meta`` holds, per engine, its spec and the seq and publisher timestamp of the last batch
+applied to ``state``: the anchor from which the engine's stream resumes. The pair is
 captured atomically by the aggregator (under its apply lock), so ``state`` holds
 exactly the batches up to each anchor.
 
@@ -21,7 +21,7 @@ Continuity on restore (:func:`check_continuity`): the publisher's replay buffer 
 asked for the anchor seq; the batch it returns must carry the anchor's timestamp. A
 different timestamp or no such batch means another publisher process (restarted,
 seq went back or went past us); a first replayed seq above the anchor means the buffer
-wrapped while we were down. Either way that pod's restored state cannot be vouched for
+wrapped while we were down. Either way that engine's restored state cannot be vouched for
 and is dropped, as the live loss rule does.
 """
 
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvevents.schema import peek_batch_ts
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 from kvevents.transport import END_SEQ, pack_seq, unpack_seq
 
 if TYPE_CHECKING:
@@ -65,10 +65,10 @@ class SnapshotError(ValueError):
 
 
 @dataclass(frozen=True)
-class PodAnchor:
-    """Where one pod's stream stood when the snapshot was taken."""
+class EngineAnchor:
+    """Where one engine's stream stood when the snapshot was taken."""
 
-    spec: dict[str, Any]  # PodSpec fields
+    spec: dict[str, Any]  # EngineSpec fields
     last_seq: int | None  # None: nothing applied yet
     last_ts: float | None  # publisher timestamp of batch ``last_seq``
 
@@ -76,15 +76,15 @@ class PodAnchor:
 @dataclass(frozen=True)
 class Snapshot:
     created: float
-    pods: dict[str, PodAnchor]
+    engines: dict[str, EngineAnchor]
     state: bytes  # PrefixIndex.export_state()
 
 
 def encode(snap: Snapshot) -> bytes:
     meta = json.dumps({
         "created": snap.created,
-        "pods": {name: {"spec": a.spec, "last_seq": a.last_seq, "last_ts": a.last_ts}
-                 for name, a in snap.pods.items()},
+        "engines": {name: {"spec": a.spec, "last_seq": a.last_seq, "last_ts": a.last_ts}
+                    for name, a in snap.engines.items()},
     }, allow_nan=False).encode()
     digest = hashlib.blake2b(meta + snap.state, digest_size=32).digest()
     return _HEADER.pack(MAGIC, VERSION, len(meta), len(snap.state), digest) + meta + snap.state
@@ -109,12 +109,14 @@ def decode(data: bytes) -> Snapshot:
         raise SnapshotError("checksum mismatch (corrupt file)")
     try:
         meta = json.loads(bytes(body[:meta_len]))
-        pods = {name: PodAnchor(p["spec"], p["last_seq"], p["last_ts"])
-                for name, p in meta["pods"].items()}
+        # "pods": the key of snapshots written before engines were called engines.
+        anchors = meta["engines"] if "engines" in meta else meta["pods"]
+        engines = {name: EngineAnchor(p["spec"], p["last_seq"], p["last_ts"])
+                   for name, p in anchors.items()}
         created = float(meta["created"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"bad metadata: {exc}") from None
-    return Snapshot(created, pods, bytes(body[meta_len:]))
+    return Snapshot(created, engines, bytes(body[meta_len:]))
 
 
 def write(data_dir: str | Path, data: bytes) -> Path:
@@ -157,7 +159,7 @@ def read_latest(data_dir: str | Path) -> Snapshot | None:
         except SnapshotError as exc:
             log.error("snapshot %s ignored: %s", path, exc)
             continue
-        log.info("snapshot %s: %d pods, taken %.1f s ago", path, len(snap.pods),
+        log.info("snapshot %s: %d engines, taken %.1f s ago", path, len(snap.engines),
                  time.time() - snap.created)
         return snap
     return None
@@ -232,17 +234,17 @@ def check_continuity(replay_endpoint: str, last_seq: int, last_ts: float,
 
 
 def restore(index: PrefixIndex, settings: AggregatorSettings,
-            stats: dict[str, Any]) -> dict[str, tuple[PodSpec, PodAnchor]]:
+            stats: dict[str, Any]) -> dict[str, tuple[EngineSpec, EngineAnchor]]:
     """Load the newest snapshot (local, else the peer's) into ``index`` and return the
-    pods to resume, each checked for continuity (in parallel, each bounded by
-    ``replay_timeout_s``). Pods that cannot be vouched for have their restored state
-    dropped here; ``stats["restored_pods"]`` / ``["dropped_pods"]`` count both.
+    engines to resume, each checked for continuity (in parallel, each bounded by
+    ``replay_timeout_s``). Engines that cannot be vouched for have their restored state
+    dropped here; ``stats["restored_engines"]`` / ``["dropped_engines"]`` count both.
     Nothing is imported from a snapshot that fails verification."""
     snap = read_latest(settings.data_dir) if settings.data_dir else None
     if snap is None and settings.bootstrap_from:
         try:
             snap = fetch_peer(settings.bootstrap_from, settings.auth_token)
-            log.info("bootstrapped from %s: %d pods", settings.bootstrap_from, len(snap.pods))
+            log.info("bootstrapped from %s: %d engines", settings.bootstrap_from, len(snap.engines))
         except (OSError, ValueError) as exc:
             log.error("bootstrap from %s failed, starting empty: %s", settings.bootstrap_from, exc)
     if snap is None:
@@ -254,15 +256,15 @@ def restore(index: PrefixIndex, settings: AggregatorSettings,
         return {}
 
     def drop(name: str, why: str) -> None:
-        index.drop_pod(name)
-        stats["dropped_pods"] += 1
-        log.warning("pod %s: restored state dropped (%s)", name, why)
+        index.drop_engine(name)
+        stats["dropped_engines"] += 1
+        log.warning("engine %s: restored state dropped (%s)", name, why)
 
-    configured = {p.name: p for p in settings.pods}
-    candidates: dict[str, tuple[PodSpec, PodAnchor]] = {}
-    for name, anchor in snap.pods.items():
+    configured = {p.name: p for p in settings.engines}
+    candidates: dict[str, tuple[EngineSpec, EngineAnchor]] = {}
+    for name, anchor in snap.engines.items():
         try:
-            spec = configured.get(name) or PodSpec(**anchor.spec)
+            spec = configured.get(name) or EngineSpec(**anchor.spec)
         except (TypeError, ValueError):
             spec = None
         same_stream = spec is not None and all(
@@ -271,9 +273,9 @@ def restore(index: PrefixIndex, settings: AggregatorSettings,
             candidates[name] = (spec, anchor)
         else:
             drop(name, "no continuity anchor or replay endpoint" if same_stream else "stream changed")
-    for name in index.pods():
+    for name in index.engines():
         if name not in candidates:
-            index.drop_pod(name)
+            index.drop_engine(name)
     outcomes: dict[str, str] = {}
     if candidates:
         with ThreadPoolExecutor(min(32, len(candidates))) as pool:
@@ -287,8 +289,8 @@ def restore(index: PrefixIndex, settings: AggregatorSettings,
             # Unreachable: kept; a new process shows itself on the live stream (seq
             # back with a newer ts, or a gap replay cannot fill) and is dropped then.
             resume[name] = candidates[name]
-            stats["restored_pods"] += 1
-            log.info("pod %s restored at seq %d (%s)", name, candidates[name][1].last_seq, outcome)
+            stats["restored_engines"] += 1
+            log.info("engine %s restored at seq %d (%s)", name, candidates[name][1].last_seq, outcome)
         else:
             drop(name, outcome)
     return resume

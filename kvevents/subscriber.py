@@ -20,7 +20,7 @@ payload decode -> in-order delivery to the consumer. Contracts:
   not count 1.8e19 lost batches): it is dropped and counted, and continuity is checked;
   only repeated jumps resync the source.
 * Every replay has a deadline (``replay_timeout`` without any reply, ``replay_deadline``
-  without progress): a trickling endpoint cannot freeze a pod. Held-back live messages
+  without progress): a trickling endpoint cannot freeze an engine. Held-back live messages
   are bounded in bytes (``max_pending_bytes``); an overflow is counted and becomes a gap.
 * On first contact (and after a restart) a source with a replay endpoint is replayed
   from seq 0, so a consumer that starts mid-stream rebuilds the publisher's state from
@@ -492,7 +492,7 @@ class Subscriber:
         src = self._sources.get(name)
         if src is None:
             return
-        log.warning("pod %s: resync from seq 0 (%s)", name, reason)
+        log.warning("engine %s: resync from seq 0 (%s)", name, reason)
         self._reset(src)
         self._emit(Resynced(name, reason))
         if self._can_replay(src):
@@ -524,7 +524,7 @@ class Subscriber:
         if self._is_jump(src, seq):
             src.stats.seq_jumps += 1
             src.jump_streak += 1
-            log.warning("pod %s: seq %d is beyond the window of the expected %s; dropped",
+            log.warning("engine %s: seq %d is beyond the window of the expected %s; dropped",
                         src.config.name, seq, src.expected)
             if src.jump_streak < self._JUMPS_TO_RESYNC:
                 src.verify = self._can_replay(src)  # is the stream still the one we follow?
@@ -709,7 +709,7 @@ class Subscriber:
         publisher is a new process. Drop the old stream and replay the new one from 0,
         keeping the live messages held back (they are the new process's)."""
         src.stats.continuity_mismatches += 1
-        log.warning("pod %s: replayed seq %d differs from the batch applied: publisher "
+        log.warning("engine %s: replayed seq %d differs from the batch applied: publisher "
                     "restarted; rebuilding from seq 0", src.config.name, seq)
         pending, pending_bytes = src.pending, src.pending_bytes
         self._restart(src, seq, "continuity mismatch")
@@ -791,12 +791,12 @@ class Subscriber:
         try:
             result = self._decoder.decode(payload)
         except PayloadError as exc:
-            # Counted and skipped: the seq is consumed and the rest of the pod's state
+            # Counted and skipped: the seq is consumed and the rest of the engine's state
             # stays valid (an undecodable batch is not a gap in what we can vouch for).
             self._flush_group()  # what came before it is delivered first
             src.stats.last_seq = seq
             src.stats.decode_errors += 1
-            log.warning("pod %s: undecodable payload at seq %d skipped: %s",
+            log.warning("engine %s: undecodable payload at seq %d skipped: %s",
                         src.config.name, seq, exc)
             return
         if self._group_batches:

@@ -3,13 +3,15 @@
 Meant for debugging a deployment: point it at an engine's KV events endpoint (and its
 replay endpoint to see gaps being recovered). Lines:
 
-    seq=41 BlockStored medium=GPU blocks=2 block_size=16 parent=- tokens=[1, 2, 3, ...] hashes=[...]
-    seq=42 BlockRemoved medium=CPU blocks=4
+    seq=41 BlockStored tier=GPU blocks=2 block_size=16 parent=- tokens=[1, 2, 3, ...] hashes=[...]
+    seq=42 BlockRemoved tier=CPU blocks=4
     seq=43 AllBlocksCleared
     GAP expected seq=44, received seq=47: asking for a replay
     seq=44 (replayed) BlockStored ...
     LOST 2 batches from seq=45: not in the publisher's replay buffer
     RESTART publisher went from seq=120 back to seq=0: state dropped
+
+``tier`` is the event's wire field ``medium`` (vLLM's name; absent means GPU).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def format_signal(sig: Signal) -> list[str]:
             if isinstance(ev, BlockStored):
                 parent = "-" if ev.parent_block_hash is None else hash_to_str(ev.parent_block_hash)
                 lines.append(
-                    f"{tag} BlockStored medium={medium_of(ev)} blocks={len(ev.block_hashes)} "
+                    f"{tag} BlockStored tier={medium_of(ev)} blocks={len(ev.block_hashes)} "
                     f"block_size={ev.block_size} tokens={len(ev.token_ids)} "
                     f"first={_short(ev.token_ids, _SHOW_TOKENS)} parent={parent} "
                     f"hashes={_short(ev.block_hashes, _SHOW_HASHES, hash_to_str)}"
@@ -57,7 +59,7 @@ def format_signal(sig: Signal) -> list[str]:
                 )
             elif isinstance(ev, BlockRemoved):
                 lines.append(
-                    f"{tag} BlockRemoved medium={medium_of(ev)} blocks={len(ev.block_hashes)} "
+                    f"{tag} BlockRemoved tier={medium_of(ev)} blocks={len(ev.block_hashes)} "
                     f"hashes={_short(ev.block_hashes, _SHOW_HASHES, hash_to_str)}"
                 )
             elif isinstance(ev, AllBlocksCleared):

@@ -163,11 +163,11 @@ class Browser:
 
 READ_PAGE = """(() => {
   const q = (s) => document.querySelector(s);
-  const rows = [...document.querySelectorAll('#engines tbody tr[data-pod]')].map((tr) => {
+  const rows = [...document.querySelectorAll('#engines tbody tr[data-engine]')].map((tr) => {
     const f = (name) => tr.querySelector(`[data-field="${name}"]`);
     const tiers = {};
     for (const t of tr.querySelectorAll('[data-tier]')) tiers[t.dataset.tier] = Number(t.dataset.blocks);
-    return {pod: tr.dataset.pod, status: tr.dataset.status, connected: f('connected').dataset.value,
+    return {engine: tr.dataset.engine, status: tr.dataset.status, connected: f('connected').dataset.value,
             last_seq: f('last_seq').dataset.value, lag: f('lag').dataset.value,
             gaps: Number(f('gaps').dataset.value), replayed: Number(f('replayed').dataset.value),
             lost: Number(f('lost').dataset.value), restarts: Number(f('restarts').dataset.value),
@@ -185,7 +185,7 @@ READ_PAGE = """(() => {
     lookups: Number(q('#lookups').dataset.lookups), hit,
     prefixes: [...document.querySelectorAll('#prefixes tr[data-prefix]')].map((tr) => ({
       tokens: Number(tr.dataset.tokens),
-      pods: [...tr.querySelectorAll('.chip[data-pod]')].map((c) => c.dataset.pod)})),
+      engines: [...tr.querySelectorAll('.chip[data-engine]')].map((c) => c.dataset.engine)})),
     log: [...document.querySelectorAll('#log li[data-kind]')].map((li) => [li.dataset.kind, li.innerText]),
   };
 })()"""

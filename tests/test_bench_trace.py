@@ -1,7 +1,7 @@
 """The benchmark trace generator (benchmarks/kvtrace.py): deterministic, and shaped so
 that both our index and Dynamo's radix tree index it exactly.
 
-Replays a small trace through a plain model of each pod's cache and checks the promises
+Replays a small trace through a plain model of each engine's cache and checks the promises
 the side-by-side benchmarks rely on: parents cached before children, no block announced
 twice while cached, only leaves evicted, pools never over capacity, the recorded truth
 equal to the replayed state, and our ``PrefixIndex`` answering the truth on the trace's
@@ -23,7 +23,7 @@ from kvtrace import BS, MODEL, TraceConfig, chain_hashes, expected_blocks, gener
 from kvevents.index import PrefixIndex  # noqa: E402
 from kvevents.schema import BatchDecoder, BlockRemoved, BlockStored  # noqa: E402
 
-CFG = TraceConfig(pods=3, capacity=3000, steady=0.5, seed=5, lookup_prompts=16)
+CFG = TraceConfig(engines=3, capacity=3000, steady=0.5, seed=5, lookup_prompts=16)
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +42,13 @@ def test_deterministic(trace, tmp_path):
 
 def test_events_keep_dynamo_exact_invariants(trace):
     dec = BatchDecoder()
-    cached: dict[str, dict[int, int]] = {}  # pod -> hash -> parent
+    cached: dict[str, dict[int, int]] = {}  # engine -> hash -> parent
     stats = {"stored": 0, "removed": 0, "one_block_stores": 0, "max_event_blocks": 0, "events": 0}
-    for pod, payload in read(trace["trace"]):
+    for engine, payload in read(trace["trace"]):
         batch = dec.decode(payload).batch
         assert batch.data_parallel_rank == 0
         assert 1 <= len(batch.events) <= CFG.max_events_per_batch
-        pool = cached.setdefault(pod, {})
+        pool = cached.setdefault(engine, {})
         for ev in batch.events:
             stats["events"] += 1
             if isinstance(ev, BlockStored):
@@ -85,8 +85,8 @@ def test_events_keep_dynamo_exact_invariants(trace):
 def test_our_index_answers_the_truth(trace):
     dec = BatchDecoder()
     idx = PrefixIndex()
-    for pod, payload in read(trace["trace"]):
-        idx.apply_batch(pod, dec.decode(payload).batch, model=MODEL)
+    for engine, payload in read(trace["trace"]):
+        idx.apply_batch(engine, dec.decode(payload).batch, model=MODEL)
     resident, prompts = load_truth(trace["truth"])
     assert idx.counters().resident_entries == sum(len(s) for s in resident.values())
     kinds = set()
@@ -95,7 +95,7 @@ def test_our_index_answers_the_truth(trace):
         for p in arr:
             exp = expected_blocks(resident, p)
             r = idx.lookup(p.tolist(), model=MODEL)
-            assert {m.pod: m.tokens // BS for m in r.pods if m.tokens} == exp
+            assert {m.engine: m.tokens // BS for m in r.engines if m.tokens} == exp
             best = max(exp.values(), default=0)
             kinds.add("miss" if not best else "full" if best == n // BS else "partial")
     assert kinds == {"miss", "full", "partial"}

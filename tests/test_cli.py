@@ -85,9 +85,9 @@ def test_wrong_type_names_the_field(tmp_path):
     one_error(kv("serve", "--config", f), f"{f}: field 'port'", "valid integer", "1-65535")
 
 
-def test_pod_entry_with_a_wrong_key_names_the_key(tmp_path):
-    f = _config(tmp_path, "kv.json", '{"pods": [{"name": "a", "endpoint": "tcp://127.0.0.1:1", "replay": "x"}]}')
-    one_error(kv("serve", "--config", f), f"{f}: field 'pods'", "unknown key 'replay'", "replay_endpoint")
+def test_engine_entry_with_a_wrong_key_names_the_key(tmp_path):
+    f = _config(tmp_path, "kv.json", '{"engines": [{"name": "a", "endpoint": "tcp://127.0.0.1:1", "replay": "x"}]}')
+    one_error(kv("serve", "--config", f), f"{f}: field 'engines'", "unknown key 'replay'", "replay_endpoint")
 
 
 def test_several_bad_fields_give_one_line_each(tmp_path):

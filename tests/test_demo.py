@@ -80,7 +80,7 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
         ARTIFACTS.mkdir(exist_ok=True)
         browser.screenshot(ARTIFACTS / "demo_page.png")
         page = tools.evaluate(READ_PAGE)
-        assert sorted(r["pod"] for r in page["rows"]) == ["engine-0", "engine-1"]
+        assert sorted(r["engine"] for r in page["rows"]) == ["engine-0", "engine-1"]
         assert all(r["status"] == "live" for r in page["rows"])
 
         # Every panel's PromQL runs on the real Prometheus scraping the demo, and every

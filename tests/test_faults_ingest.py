@@ -26,7 +26,7 @@ from support import free_port, wait_until
 from kvevents.aggregator import Aggregator
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 from kvevents.subscriber import BatchReceived, SourceConfig, Subscriber
 from kvevents.transport import END_SEQ, pack_seq, replay_end_marker, unpack_seq
 
@@ -63,8 +63,8 @@ def rebind(make, timeout: float = 5.0):
             time.sleep(0.05)
 
 
-def resident(agg: Aggregator, pod: str) -> set:
-    return set().union(*agg.index.engine_hashes(pod).values()) if agg.index.engine_hashes(pod) else set()
+def resident(agg: Aggregator, engine: str) -> set:
+    return set().union(*agg.index.engine_hashes(engine).values()) if agg.index.engine_hashes(engine) else set()
 
 
 class ScriptedPublisher:
@@ -133,8 +133,8 @@ class ScriptedPublisher:
         self.pub.close(0)
 
 
-def connected(agg: Aggregator, pod: str) -> bool:
-    return any(p["name"] == pod and p["connected"] for p in agg.pod_statuses())
+def connected(agg: Aggregator, engine: str) -> bool:
+    return any(p["name"] == engine and p["connected"] for p in agg.engine_statuses())
 
 
 # -- in-process aggregator cases ------------------------------------------------------
@@ -149,7 +149,7 @@ def test_fast_publisher_restart_is_detected_by_continuity(new_batches, live_afte
     port, rport = free_port(), free_port()
     cfg = dict(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", bind=True)
     old = ZmqEventPublisher(PublisherConfig(**cfg))
-    agg = Aggregator(settings(pods=(PodSpec("p", cfg["endpoint"], cfg["replay_endpoint"]),)))
+    agg = Aggregator(settings(engines=(EngineSpec("p", cfg["endpoint"], cfg["replay_endpoint"]),)))
     agg.start()
     try:
         for i in range(10):
@@ -175,10 +175,10 @@ def test_fast_publisher_restart_is_detected_by_continuity(new_batches, live_afte
         agg.stop()
 
 
-def test_trickling_replay_endpoint_does_not_freeze_the_pod():
+def test_trickling_replay_endpoint_does_not_freeze_the_engine():
     """Stale replies every 1.5 s must not keep a gap's replay alive forever."""
     pub = ScriptedPublisher(replay="trickle", trickle_s=1.5)
-    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),),
+    agg = Aggregator(settings(engines=(EngineSpec("p", pub.endpoint, pub.replay_endpoint),),
                               replay_timeout_s=2.0, replay_deadline_s=3.0))
     agg.start()
     try:
@@ -198,12 +198,12 @@ def test_trickling_replay_endpoint_does_not_freeze_the_pod():
         statuses = set()
         for seq in range(6, 16):
             pub.publish(seq, ENC.encode(stored(100 + seq)))
-            statuses.update(p["status"] for p in agg.pod_statuses())
+            statuses.update(p["status"] for p in agg.engine_statuses())
             time.sleep(0.1)
-        done = wait_until(lambda: (statuses.update(p["status"] for p in agg.pod_statuses())
+        done = wait_until(lambda: (statuses.update(p["status"] for p in agg.engine_statuses())
                                    or agg.source_stats()["p"].last_seq == 15), 12, 0.05)
         frozen = time.monotonic() - t0
-        gap = next(p for p in agg.pod_statuses() if p["name"] == "p")
+        gap = next(p for p in agg.engine_statuses() if p["name"] == "p")
         st = agg.source_stats()["p"]
         truth = set(range(106, 116))  # the gap could not be closed: state rebuilt after it
         got = resident(agg, "p")
@@ -255,7 +255,7 @@ def test_exception_inside_apply_loses_nothing_else():
     port, rport = free_port(), free_port()
     cfg = dict(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", bind=True)
     pub = ZmqEventPublisher(PublisherConfig(**cfg))
-    agg = Aggregator(settings(pods=(PodSpec("p", cfg["endpoint"], cfg["replay_endpoint"]),)))
+    agg = Aggregator(settings(engines=(EngineSpec("p", cfg["endpoint"], cfg["replay_endpoint"]),)))
     agg.start()
     try:
         pub.publish(stored(1))
@@ -278,7 +278,7 @@ def test_exception_inside_apply_loses_nothing_else():
 
 def test_seq_max_frame_is_not_a_loss_of_1e19_batches():
     pub = ScriptedPublisher()
-    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),)))
+    agg = Aggregator(settings(engines=(EngineSpec("p", pub.endpoint, pub.replay_endpoint),)))
     agg.start()
     try:
         assert wait_until(lambda: connected(agg, "p"), 5)
@@ -305,7 +305,7 @@ def test_seq_max_frame_is_not_a_loss_of_1e19_batches():
 
 def test_undecodable_payload_is_skipped_without_dropping_state():
     pub = ScriptedPublisher()
-    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),)))
+    agg = Aggregator(settings(engines=(EngineSpec("p", pub.endpoint, pub.replay_endpoint),)))
     agg.start()
     try:
         assert wait_until(lambda: connected(agg, "p"), 5)
@@ -316,7 +316,7 @@ def test_undecodable_payload_is_skipped_without_dropping_state():
         wait_until(lambda: agg.source_stats()["p"].last_seq == 9 and resident(agg, "p") == truth, 10)
         st = agg.source_stats()["p"]
         got = resident(agg, "p")
-        resyncs = next(p["resyncs"] for p in agg.pod_statuses() if p["name"] == "p")
+        resyncs = next(p["resyncs"] for p in agg.engine_statuses() if p["name"] == "p")
         figure("undecodable_payload", blocks_lost=len(truth - got), decode_errors=st.decode_errors,
                lost_batches=st.lost_batches, resyncs=resyncs)
         assert got == truth and st.decode_errors == 1 and st.lost_batches == 0 and resyncs == 0
@@ -369,12 +369,12 @@ class Server:
     """``kvevents serve`` in a child process (optionally under a hard open-file limit),
     its log in a file."""
 
-    def __init__(self, tmp_path: Path, pods: list[str], nofile: int | None = None,
+    def __init__(self, tmp_path: Path, engines: list[str], nofile: int | None = None,
                  **extra) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = tmp_path / f"kv-{self.port}.json"
-        cfg.write_text(json.dumps({"pods": pods, "port": self.port, **extra}))
+        cfg.write_text(json.dumps({"engines": engines, "port": self.port, **extra}))
         self.log_path = tmp_path / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")
 
@@ -407,11 +407,11 @@ class Server:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
-    def pod(self, name: str) -> dict:
-        return next(p for p in self.get("/v1/pods").json()["pods"] if p["name"] == name)
+    def engine(self, name: str) -> dict:
+        return next(p for p in self.get("/v1/engines").json()["engines"] if p["name"] == name)
 
     def hashes(self, name: str) -> set:
-        tiers = self.get(f"/v1/pods/{name}/blocks").json()["tiers"]
+        tiers = self.get(f"/v1/engines/{name}/blocks").json()["tiers"]
         return set().union(*map(set, tiers.values())) if tiers else set()
 
     def close(self) -> None:
@@ -483,7 +483,7 @@ def _closed_port() -> int:
     return free_port()  # bound and released: nothing listens there
 
 
-def test_300_pods_with_replay_endpoints_are_all_indexed(tmp_path):
+def test_300_engines_with_replay_endpoints_are_all_indexed(tmp_path):
     n = 300
     fleet = Fleet(n)
     for i in range(n):
@@ -500,13 +500,13 @@ def test_300_pods_with_replay_endpoints_are_all_indexed(tmp_path):
         for i in range(n):
             fleet.publish(i, 3, ENC.encode(stored(i * 10 + 3)))
         t1 = time.monotonic()
-        wait_until(lambda: all(p["last_seq"] == 3 for p in server.get("/v1/pods").json()["pods"]),
+        wait_until(lambda: all(p["last_seq"] == 3 for p in server.get("/v1/engines").json()["engines"]),
                    30, 0.5)
         t_live = time.monotonic() - t1
         exact = sum(server.hashes(f"f{i}") == {i * 10 + s for s in range(4)} for i in range(n))
         health = server.get("/healthz")
-        figure("300_pods", seconds_to_serve=round(t_up, 1), ready=ready,
-               seconds_to_ready=round(t_ready, 1), seconds_to_live=round(t_live, 1), pods_exact=exact,
+        figure("300_engines", seconds_to_serve=round(t_up, 1), ready=ready,
+               seconds_to_ready=round(t_ready, 1), seconds_to_live=round(t_live, 1), engines_exact=exact,
                healthz=health.status_code, server_alive=server.proc.poll() is None)
         assert ready and exact == n and health.status_code == 200
     finally:
@@ -514,7 +514,7 @@ def test_300_pods_with_replay_endpoints_are_all_indexed(tmp_path):
         fleet.close()
 
 
-def test_unauthenticated_pod_flood_meets_the_budget(tmp_path):
+def test_unauthenticated_engine_flood_meets_the_budget(tmp_path):
     pub = ScriptedPublisher()
     server = Server(tmp_path, [f"real={pub.endpoint},replay={pub.replay_endpoint}"], nofile=1024)
     try:
@@ -523,19 +523,19 @@ def test_unauthenticated_pod_flood_meets_the_budget(tmp_path):
         bodies = []
         with httpx.Client(base_url=server.url, timeout=10) as c:  # no token: the default
             for i in range(600):
-                r = c.post("/v1/pods", json={
+                r = c.post("/v1/engines", json={
                     "name": f"flood{i}", "endpoint": f"tcp://127.0.0.1:{_closed_port()}",
                     "replay_endpoint": f"tcp://127.0.0.1:{_closed_port()}"})
                 codes[r.status_code] = codes.get(r.status_code, 0) + 1
                 if r.status_code >= 400 and len(bodies) < 1:
                     bodies.append(r.json())
-        time.sleep(2)  # every flood pod probes its (closed) replay endpoint meanwhile
+        time.sleep(2)  # every flood engine probes its (closed) replay endpoint meanwhile
         for seq in range(3):
             pub.publish(seq, ENC.encode(stored(500 + seq)))
         indexed = wait_until(lambda: server.hashes("real") == {500, 501, 502}, 15, 0.2)
         health = server.get("/healthz")
-        figure("pod_flood", status_codes=codes, healthz=health.status_code,
-               real_pod_indexed=indexed, error_body=bodies[0] if bodies else None)
+        figure("engine_flood", status_codes=codes, healthz=health.status_code,
+               real_engine_indexed=indexed, error_body=bodies[0] if bodies else None)
         assert not any(code >= 500 for code in codes)
         assert codes.get(409, 0) > 0 and bodies[0]["field"] and bodies[0]["error"]
         assert health.status_code == 200 and indexed
@@ -550,7 +550,7 @@ def test_idle_tcp_connections_at_the_file_limit(tmp_path):
     conns: list[socket.socket] = []
     try:
         server.wait_up()
-        assert wait_until(lambda: server.pod("real")["connected"], 15, 0.2)
+        assert wait_until(lambda: server.engine("real")["connected"], 15, 0.2)
         time.sleep(0.5)
         pub.publish(0, ENC.encode(stored(600)))
         assert wait_until(lambda: server.hashes("real") == {600}, 10, 0.1)
@@ -569,7 +569,7 @@ def test_idle_tcp_connections_at_the_file_limit(tmp_path):
         indexed = wait_until(lambda: server.hashes("real") == {600, 601, 602}, 15, 0.2)
         health = server.get("/healthz")
         figure("idle_tcp", log_bytes_in_8s=log_bytes, healthz=health.status_code,
-               real_pod_indexed=indexed, server_alive=server.proc.poll() is None)
+               real_engine_indexed=indexed, server_alive=server.proc.poll() is None)
         assert log_bytes < 100_000 and health.status_code == 200 and indexed
     finally:
         for s in conns:
@@ -591,10 +591,10 @@ def test_flood_memory_is_bounded_and_returned(tmp_path):
     server = Server(tmp_path, [f"p=tcp://127.0.0.1:{port}"])
     try:
         server.wait_up()
-        assert wait_until(lambda: server.pod("p")["connected"], 10, 0.1)
+        assert wait_until(lambda: server.engine("p")["connected"], 10, 0.1)
         time.sleep(0.5)
         raw.send_multipart([b"", pack_seq(0), ENC.encode(stored(1))])
-        assert wait_until(lambda: server.pod("p")["last_seq"] == 0, 10, 0.1)
+        assert wait_until(lambda: server.engine("p")["last_seq"] == 0, 10, 0.1)
         before = server.rss_mb()
         hashes = list(range(2**63, 2**63 + 11_000))
         batch = ENC.encode(KVEventBatch(time.time(), [BlockRemoved(hashes, "GPU")]))
@@ -611,11 +611,11 @@ def test_flood_memory_is_bounded_and_returned(tmp_path):
             time.sleep(0.2)
         time.sleep(3)  # idle: the flood is over
         after = server.rss_mb()
-        pod = server.pod("p")
+        engine = server.engine("p")
         figure("flood_memory", sent_mb=round(n * len(batch) / 2**20), rss_before_mb=round(before),
-               rss_peak_mb=round(peak), rss_after_mb=round(after), batches=pod["batches"],
-               lost=pod["lost_batches"])
-        assert 2 in server.hashes("p") and pod["lost_batches"] == 0
+               rss_peak_mb=round(peak), rss_after_mb=round(after), batches=engine["batches"],
+               lost=engine["lost_batches"])
+        assert 2 in server.hashes("p") and engine["lost_batches"] == 0
         # Bounded: 1000 queued messages of 100 KB plus what is being decoded.
         assert peak - before < 250 and after - before < 100
     finally:
@@ -633,7 +633,7 @@ def test_healthz_readyz_and_liveness_metrics():
     pub = ScriptedPublisher()
     for seq in range(3):
         pub.publish(seq, ENC.encode(stored(700 + seq)), live=False)  # history only
-    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),),
+    agg = Aggregator(settings(engines=(EngineSpec("p", pub.endpoint, pub.replay_endpoint),),
                               ingest_stuck_after_s=1.0))
     try:
         with ServerThread(create_app(aggregator=agg)) as srv:
@@ -662,31 +662,31 @@ def test_healthz_readyz_and_liveness_metrics():
         pub.close()
 
 
-def test_replaying_pod_shows_its_gap_in_v1_pods():
+def test_replaying_engine_shows_its_gap_in_v1_engines():
     pub = ScriptedPublisher(replay="trickle", trickle_s=0.5)
-    agg = Aggregator(settings(pods=(PodSpec("p", pub.endpoint, pub.replay_endpoint),),
+    agg = Aggregator(settings(engines=(EngineSpec("p", pub.endpoint, pub.replay_endpoint),),
                               replay_deadline_s=30.0, replay_timeout_s=30.0))
     agg.start()
     try:
         assert wait_until(lambda: connected(agg, "p"), 5)
         time.sleep(0.3)
         pub.publish(4, ENC.encode(stored(4)))  # first contact mid-stream: history 0..3 asked for
-        assert wait_until(lambda: agg.pod_statuses()[0]["status"] == "replaying", 5)
+        assert wait_until(lambda: agg.engine_statuses()[0]["status"] == "replaying", 5)
         time.sleep(0.3)
-        pod = agg.pod_statuses()[0]
-        assert pod["replay_gap"]["from_seq"] == 0 and pod["replay_gap"]["held_from_seq"] == 4
+        engine = agg.engine_statuses()[0]
+        assert engine["replay_gap"]["from_seq"] == 0 and engine["replay_gap"]["held_from_seq"] == 4
     finally:
         agg.stop()
         pub.close()
 
 
-def test_too_many_pods_for_the_budget_is_a_clear_error_at_start(tmp_path):
-    from kvevents.aggregator import PodBudgetError
+def test_too_many_engines_for_the_budget_is_a_clear_error_at_start(tmp_path):
+    from kvevents.aggregator import EngineBudgetError
 
-    pods = [f"p{i}=tcp://127.0.0.1:{_closed_port()}" for i in range(3)]
-    with pytest.raises(PodBudgetError, match="socket budget allows 2"):
-        Aggregator(settings(pods=tuple(PodSpec.parse(p) for p in pods), max_pods=2))
-    server = Server(tmp_path, pods, max_pods=2)
+    engines = [f"p{i}=tcp://127.0.0.1:{_closed_port()}" for i in range(3)]
+    with pytest.raises(EngineBudgetError, match="socket budget allows 2"):
+        Aggregator(settings(engines=tuple(EngineSpec.parse(p) for p in engines), max_engines=2))
+    server = Server(tmp_path, engines, max_engines=2)
     try:
         assert server.proc.wait(30) != 0
         assert "socket budget allows 2" in server.log_path.read_text()

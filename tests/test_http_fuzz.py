@@ -18,7 +18,7 @@ from support import ServerThread, free_port, wait_until
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,17 +30,17 @@ TOKEN = "fuzz-token"
 def server():
     live = free_port()
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{live}", bind=True))
-    # With a token, the fuzzer (which sends none) cannot create pods: generated
+    # With a token, the fuzzer (which sends none) cannot create engines: generated
     # endpoints could name real hosts, and tests contact 127.0.0.1 only.
     app = create_app(AggregatorSettings(
-        pods=(PodSpec("a", f"tcp://127.0.0.1:{live}"), PodSpec("b", f"tcp://127.0.0.1:{free_port()}")),
+        engines=(EngineSpec("a", f"tcp://127.0.0.1:{live}"), EngineSpec("b", f"tcp://127.0.0.1:{free_port()}")),
         auth_token=TOKEN, max_prompt_tokens=4096))
     with ServerThread(app) as srv:
         time.sleep(0.3)
         pub.publish(KVEventBatch(time.time(), [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)]))
         # A publisher clock gone wrong: its lag is infinite, which JSON cannot say.
         pub.publish(KVEventBatch(float("-inf"), []))
-        assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["batches"] == 2, 5)
+        assert wait_until(lambda: httpx.get(f"{srv.url}/v1/engines").json()["engines"][0]["batches"] == 2, 5)
         yield srv
     pub.shutdown(0.5)
 
@@ -78,9 +78,9 @@ KNOWN = [
     ("GET", "/v1/blocks/" + "1" * 5000, None),
     ("GET", "/v1/blocks/-99999999999999999999", None),
     ("GET", "/v1/blocks/0x", None),
-    ("POST", "/v1/route", {"token_ids": [1, 2], "candidates": [{"pod": "a", "load": {"waiting": 1e308}}]}),
-    ("POST", "/v1/route", {"token_ids": [1, 2], "candidates": [{"pod": "a", "load": {"running": 1e308}},
-                                                              {"pod": "b", "load": {"running": 1e308}}]}),
+    ("POST", "/v1/route", {"token_ids": [1, 2], "candidates": [{"engine": "a", "load": {"waiting": 1e308}}]}),
+    ("POST", "/v1/route", {"token_ids": [1, 2], "candidates": [{"engine": "a", "load": {"running": 1e308}},
+                                                              {"engine": "b", "load": {"running": 1e308}}]}),
 ]
 
 
@@ -112,11 +112,11 @@ def test_last_event_id_never_fails_and_feed_is_strict_json(server, last_id):
     ({"name": "x", "endpoint": "tcp://127.0.0.1:5", "replay_endpoint": "tcp://0.0.0.0:6"}, "replay_endpoint"),
     ({"name": "x", "endpoint": "tcp://127.0.0.1:5", "replay_endpoint": "tcp://127.0.0.1:0"}, "replay_endpoint"),
 ])
-def test_pod_endpoints_are_validated(server, body, field):
-    r = httpx.post(f"{server.url}/v1/pods", json=body, timeout=5,
+def test_engine_endpoints_are_validated(server, body, field):
+    r = httpx.post(f"{server.url}/v1/engines", json=body, timeout=5,
                    headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 422 and r.json()["field"] == field, r.text
-    assert "x" not in {p["name"] for p in httpx.get(f"{server.url}/v1/pods").json()["pods"]}
+    assert "x" not in {p["name"] for p in httpx.get(f"{server.url}/v1/engines").json()["engines"]}
 
 
 def test_feed_json_replaces_non_finite_numbers():

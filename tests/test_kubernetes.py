@@ -41,8 +41,8 @@ def test_kustomization_lists_every_file():
 
 def test_config_file_is_read_by_the_real_settings_loader(objects):
     settings = load_settings(str(K8S / "kvevents.toml"), env={})
-    assert settings.host == "0.0.0.0" and settings.pods, "listens beyond the pod, follows engines"
-    assert all(p.replay_endpoint for p in settings.pods)
+    assert settings.host == "0.0.0.0" and settings.engines, "listens beyond the pod, follows engines"
+    assert all(p.replay_endpoint for p in settings.engines)
     container = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert [p["containerPort"] for p in container["ports"] if p["name"] == "http"] == [settings.port]
 

@@ -44,8 +44,8 @@ def test_one_round_reaches_every_engine_and_the_index(tmp_path):
         assert all(n > 0 for n in loads.values()), loads
 
         def applied() -> bool:
-            pods = httpx.get(f"{fleet.url}/v1/pods", timeout=5).json()["pods"]
-            return all(p["batches"] > 0 for p in pods) and len(pods) == 2
+            engines = httpx.get(f"{fleet.url}/v1/engines", timeout=5).json()["engines"]
+            return all(p["batches"] > 0 for p in engines) and len(engines) == 2
 
         assert wait_until(applied, 30, 0.2)
         lookups = httpx.get(f"{fleet.url}/metrics", timeout=5).text

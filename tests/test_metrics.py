@@ -30,7 +30,7 @@ from support import ServerThread, free_port, require_binary, wait_until
 from kvevents.api import create_app
 from kvevents.publisher import NullEventPublisher, PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 # vLLM's metrics the simulated engine has too: name -> (type, extra labels beyond
 # model_name and engine).
@@ -83,16 +83,16 @@ def test_aggregator_metrics_are_clean_safe_and_pruned():
     live, replay = free_port(), free_port()
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{live}",
                                             replay_endpoint=f"tcp://*:{replay}"))
-    settings = AggregatorSettings(pods=(
-        PodSpec("engine-0", f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
-                model="llama"),
-        PodSpec("engine-1", f"tcp://127.0.0.1:{free_port()}", model="llama")))
+    settings = AggregatorSettings(engines=(
+        EngineSpec("engine-0", f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                   model="llama"),
+        EngineSpec("engine-1", f"tcp://127.0.0.1:{free_port()}", model="llama")))
     with ServerThread(create_app(settings)) as srv:
         url = srv.url
-        assert wait_until(lambda: httpx.get(f"{url}/v1/pods").json()["pods"][0]["connected"], 10)
+        assert wait_until(lambda: httpx.get(f"{url}/v1/engines").json()["engines"][0]["connected"], 10)
         toks = list(range(64))
         pub.publish(KVEventBatch(time.time(), [BlockStored([1, 2, 3, 4], None, toks, 16, None, "GPU", None)]))
-        assert wait_until(lambda: httpx.get(f"{url}/v1/pods").json()["pods"][0]["blocks"], 10)
+        assert wait_until(lambda: httpx.get(f"{url}/v1/engines").json()["engines"][0]["blocks"], 10)
         for model in ("llama", "typo-model", None):
             assert httpx.post(f"{url}/v1/lookup", json={"token_ids": toks, "model": model}).status_code == 200
         text = httpx.get(f"{url}/metrics").text
@@ -112,7 +112,7 @@ def test_aggregator_metrics_are_clean_safe_and_pruned():
         looked = {s.labels["model_name"]: s.value for s in fams["kvevents_lookups"].samples}
         assert looked == {"llama": 1.0, "": 2.0}
 
-        assert httpx.delete(f"{url}/v1/pods/engine-0").status_code == 204
+        assert httpx.delete(f"{url}/v1/engines/engine-0").status_code == 204
         after = httpx.get(f"{url}/metrics").text
         promtool_check(after)
         assert not [ls for ls in label_sets(after) if ls.get("engine") == "engine-0"]

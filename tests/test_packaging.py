@@ -94,7 +94,7 @@ def test_base_install_help_and_version(base_venv):
 
 @pytest.mark.timeout(600)
 def test_base_install_serves_and_tails(base_venv):
-    port, closed = free_port(), free_port()  # nothing listens on `closed`: the pod stays down
+    port, closed = free_port(), free_port()  # nothing listens on `closed`: the engine stays down
     proc = subprocess.Popen(
         [str(base_venv / "bin" / "kvevents"), "serve", "--port", str(port),
          "--endpoint", f"vllm-0=tcp://127.0.0.1:{closed}"],
@@ -111,8 +111,8 @@ def test_base_install_serves_and_tails(base_venv):
                 pass
             assert time.monotonic() < deadline, "kvevents serve did not answer /healthz in 60 s"
             time.sleep(0.2)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/pods", timeout=5) as r:
-            assert [p["name"] for p in json.load(r)["pods"]] == ["vllm-0"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/engines", timeout=5) as r:
+            assert [p["name"] for p in json.load(r)["engines"]] == ["vllm-0"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             assert b"kvevents_" in r.read()
     finally:

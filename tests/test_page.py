@@ -19,7 +19,7 @@ from support import LossyForwarder, ServerThread, free_port, require_binary, wai
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 BS = 16
@@ -65,12 +65,12 @@ def fleet():
     """Three engines; engine-1's live feed loses seq 2 on the way (recovered by replay)."""
     engines = [Engine(i) for i in range(3)]
     fwd = LossyForwarder(f"tcp://127.0.0.1:{engines[1].live}", drop={2})
-    pods = tuple(
-        PodSpec(f"engine-{e.index}",
-                fwd.endpoint if e.index == 1 else f"tcp://127.0.0.1:{e.live}",
-                replay_endpoint=f"tcp://127.0.0.1:{e.replay}", model="demo")
+    specs = tuple(
+        EngineSpec(f"engine-{e.index}",
+                   fwd.endpoint if e.index == 1 else f"tcp://127.0.0.1:{e.live}",
+                   replay_endpoint=f"tcp://127.0.0.1:{e.replay}", model="demo")
         for e in engines)
-    with ServerThread(create_app(AggregatorSettings(pods=pods))) as srv:
+    with ServerThread(create_app(AggregatorSettings(engines=specs))) as srv:
         yield srv, engines
     fwd.close()
     for e in engines:
@@ -107,7 +107,7 @@ def test_live_page_shows_the_fleet_in_a_real_browser(fleet, tmp_path):
         prompt = SHARED + [10_000 + 100 + t for t in range(2 * BS)]
         for _ in range(3):
             r = httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": prompt}, timeout=5)
-            assert r.status_code == 200 and r.json()["pods"], r.text
+            assert r.status_code == 200 and r.json()["engines"], r.text
 
         def settled() -> bool:
             page = tools.evaluate(READ_PAGE)
@@ -130,10 +130,10 @@ def test_live_page_shows_the_fleet_in_a_real_browser(fleet, tmp_path):
         shutil.rmtree(tmp_path / "profile", ignore_errors=True)
 
     assert page["conn"] == "open"
-    by_pod = {r["pod"]: r for r in page["rows"]}
-    assert sorted(by_pod) == ["engine-0", "engine-1", "engine-2"]
-    api = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]}
-    for name, row in by_pod.items():
+    by_engine = {r["engine"]: r for r in page["rows"]}
+    assert sorted(by_engine) == ["engine-0", "engine-1", "engine-2"]
+    api = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/engines").json()["engines"]}
+    for name, row in by_engine.items():
         assert row["status"] == "live" and row["connected"] == "1", row
         assert int(row["last_seq"]) > 0 and row["lag"] != "", row
         assert row["tiers"]["GPU"] > 0 and row["tiers"]["CPU"] > 0, row
@@ -142,8 +142,8 @@ def test_live_page_shows_the_fleet_in_a_real_browser(fleet, tmp_path):
         assert abs(int(row["last_seq"]) - api[name]["last_seq"]) <= 30
         assert row["lost"] == 0 and row["restarts"] == 0
     # engine-1 lost seq 2 on the wire: the page shows the gap and the replay.
-    assert by_pod["engine-1"]["gaps"] >= 1 and by_pod["engine-1"]["replayed"] >= 1
-    assert by_pod["engine-0"]["gaps"] == 0
+    assert by_engine["engine-1"]["gaps"] >= 1 and by_engine["engine-1"]["replayed"] >= 1
+    assert by_engine["engine-0"]["gaps"] == 0
     kinds = {kind for kind, _ in page["log"]}
     assert {"gap", "replay"} <= kinds, page["log"]
     assert any("engine-1" in text for kind, text in page["log"] if kind == "gap")
@@ -155,6 +155,6 @@ def test_live_page_shows_the_fleet_in_a_real_browser(fleet, tmp_path):
     assert page["hit"]["GPU"] == pytest.approx(len(SHARED) / len(prompt), abs=1e-3)
     assert page["hit"]["GPU"] <= page["hit"]["CPU"] <= page["hit"]["any"] <= 1
     # The shared system prompt lives on every engine: the top prefix says so.
-    assert page["prefixes"][0]["pods"] == ["engine-0", "engine-1", "engine-2"]
+    assert page["prefixes"][0]["engines"] == ["engine-0", "engine-1", "engine-2"]
     assert page["prefixes"][0]["tokens"] == len(SHARED)
     assert (ARTIFACTS / "live_page.png").stat().st_size > 10_000

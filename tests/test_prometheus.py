@@ -8,15 +8,15 @@ from support import PrometheusServer, ServerThread, free_port, require_binary, w
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 
 def test_prometheus_scrapes_aggregator_metrics(tmp_path):
     binary = require_binary("prometheus")
     live, replay = free_port(), free_port()
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{live}", replay_endpoint=f"tcp://*:{replay}"))
-    settings = AggregatorSettings(pods=(PodSpec("engine-0", f"tcp://127.0.0.1:{live}",
-                                                replay_endpoint=f"tcp://127.0.0.1:{replay}"),))
+    settings = AggregatorSettings(engines=(EngineSpec("engine-0", f"tcp://127.0.0.1:{live}",
+                                                      replay_endpoint=f"tcp://127.0.0.1:{replay}"),))
     with ServerThread(create_app(settings)) as srv:
         prom = PrometheusServer(tmp_path, {"kvevents": [f"127.0.0.1:{srv.port}"]}, binary)
         try:

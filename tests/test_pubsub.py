@@ -220,7 +220,7 @@ def test_malformed_messages_are_counted_and_skipped():
     assert st.malformed_frames - base == 2 and st.decode_errors == 1
     assert rec.batches()[0].batch == make_batch(1)
     # The undecodable batch consumed seq 0: counted (decode_errors) and skipped, not a
-    # loss: the pod's state stays valid (issue 11, item 4).
+    # loss: the engine's state stays valid (issue 11, item 4).
     assert rec.of(BatchesLost) == [] and st.lost_batches == 0
     sub.stop()
     raw.close(0)

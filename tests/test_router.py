@@ -10,7 +10,7 @@ import pytest
 
 from support import ServerThread, free_port, wait_until
 from kvevents.api import create_app
-from kvevents.index import LookupResult, PodMatch
+from kvevents.index import LookupResult, EngineMatch
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.router import (
     Candidate,
@@ -21,13 +21,13 @@ from kvevents.router import (
     RoundRobinPolicy,
 )
 from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 PROMPT = list(range(1000, 3048))  # 2,048 tokens
 
 
-def result(**pods: tuple[int, dict[str, int]]) -> LookupResult:
-    matches = [PodMatch(p, t, tiers, 16) for p, (t, tiers) in pods.items()]
+def result(**engines: tuple[int, dict[str, int]]) -> LookupResult:
+    matches = [EngineMatch(p, t, tiers, 16) for p, (t, tiers) in engines.items()]
     matches.sort(key=lambda m: -m.tokens)
     return LookupResult(len(PROMPT), 16, matches)
 
@@ -42,44 +42,44 @@ NO_AFFINITY = KVRouterConfig(affinity_weight=0.0)
 def test_longest_cached_prefix_wins():
     policy = KVAwarePolicy(NO_AFFINITY)
     d = policy.choose(PROMPT, result(a=(512, {"GPU": 512}), b=(1536, {"GPU": 1536})), cands("a", "b", "c"))
-    assert d.pod == "b" and d.matched_tokens == 1536 and d.tiers == {"GPU": 1536}
+    assert d.engine == "b" and d.matched_tokens == 1536 and d.tiers == {"GPU": 1536}
     assert "1536 of 2048" in d.reason
-    assert [s.pod for s in d.scores][0] == "b"
+    assert [s.engine for s in d.scores][0] == "b"
 
 
 def test_tier_weights_prefer_gpu_over_an_equal_cpu_run():
     policy = KVAwarePolicy(NO_AFFINITY)
     d = policy.choose(PROMPT, result(a=(1024, {"CPU": 1024}), b=(1024, {"GPU": 1024})), cands("a", "b"))
-    assert d.pod == "b"
+    assert d.engine == "b"
     # A longer CPU run beats a short GPU run when the weights say so...
     d = policy.choose(PROMPT, result(a=(2048, {"CPU": 2048}), b=(512, {"GPU": 512})), cands("a", "b"))
-    assert d.pod == "a"
+    assert d.engine == "a"
     # ...and not when the CPU tier is weighted out.
     gpu_only = KVAwarePolicy(KVRouterConfig(tier_weights={"GPU": 1.0, "CPU": 0.0}, affinity_weight=0.0))
     d = gpu_only.choose(PROMPT, result(a=(2048, {"CPU": 2048}), b=(512, {"GPU": 512})), cands("a", "b"))
-    assert d.pod == "b"
+    assert d.engine == "b"
 
 
 def test_load_guard_falls_back_from_an_overloaded_engine():
     policy = KVAwarePolicy(KVRouterConfig(max_imbalance=4, affinity_weight=0.0))
     lookup = result(a=(2048, {"GPU": 2048}))
-    assert policy.choose(PROMPT, lookup, cands("a", "b", a=3)).pod == "a"  # within the guard
+    assert policy.choose(PROMPT, lookup, cands("a", "b", a=3)).engine == "a"  # within the guard
     d = policy.choose(PROMPT, lookup, cands("a", "b", a=9, b=1))
-    assert d.pod == "b" and d.reason.startswith("load guard: a caches more")
-    assert {s.pod: s.eligible for s in d.scores} == {"a": False, "b": True}
+    assert d.engine == "b" and d.reason.startswith("load guard: a caches more")
+    assert {s.engine: s.eligible for s in d.scores} == {"a": False, "b": True}
 
 
 def test_load_breaks_equal_caches_and_ties_spread_over_engines():
     policy = KVAwarePolicy(NO_AFFINITY)
     lookup = result(a=(512, {"GPU": 512}), b=(512, {"GPU": 512}))
-    assert policy.choose(PROMPT, lookup, cands("a", "b", a=2)).pod == "b"
+    assert policy.choose(PROMPT, lookup, cands("a", "b", a=2)).engine == "b"
     # Exact ties: deterministic per prompt, spread across prompts.
     names = [f"e{i}" for i in range(4)]
     picks = Counter()
     for i in range(200):
         prompt = [i] + PROMPT[1:]
-        first = policy.choose(prompt, result(), cands(*names)).pod
-        assert policy.choose(prompt, result(), cands(*names)).pod == first
+        first = policy.choose(prompt, result(), cands(*names)).engine
+        assert policy.choose(prompt, result(), cands(*names)).engine == first
         picks[first] += 1
     assert set(picks) == set(names) and min(picks.values()) > 20
     d = policy.choose(PROMPT, result(), cands(*names))
@@ -92,19 +92,19 @@ def test_affinity_sends_a_conversation_back_to_the_same_engine():
     conversation = system + list(range(5000, 5100))
     names = ["a", "b", "c", "d"]
     # Every engine holds the system prompt; nothing else is cached anywhere.
-    lookup = LookupResult(200, 16, [PodMatch(n, 64, {"GPU": 64}, 16) for n in names])
-    first = policy.choose(conversation, lookup, cands(*names)).pod
+    lookup = LookupResult(200, 16, [EngineMatch(n, 64, {"GPU": 64}, 16) for n in names])
+    first = policy.choose(conversation, lookup, cands(*names)).engine
     later_turn = conversation + list(range(9000, 9100))
-    assert policy.choose(later_turn, lookup, cands(*names)).pod == first
-    others = {policy.choose(system + [i] * 100, lookup, cands(*names)).pod for i in range(40)}
+    assert policy.choose(later_turn, lookup, cands(*names)).engine == first
+    others = {policy.choose(system + [i] * 100, lookup, cands(*names)).engine for i in range(40)}
     assert others == set(names)
 
 
 def test_baselines():
     rr = RoundRobinPolicy()
-    assert [rr.choose(PROMPT, None, cands("a", "b", "c")).pod for _ in range(4)] == ["a", "b", "c", "a"]
+    assert [rr.choose(PROMPT, None, cands("a", "b", "c")).engine for _ in range(4)] == ["a", "b", "c", "a"]
     ll = LeastLoadedPolicy()
-    assert ll.choose(PROMPT, None, cands("a", "b", "c", a=2, b=1, c=3)).pod == "b"
+    assert ll.choose(PROMPT, None, cands("a", "b", "c", a=2, b=1, c=3)).engine == "b"
 
 
 def test_bad_policy_inputs():
@@ -120,12 +120,12 @@ def test_bad_policy_inputs():
 def server():
     live = free_port()
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{live}"))
-    settings = AggregatorSettings(pods=(PodSpec("a", f"tcp://127.0.0.1:{live}"),
-                                        PodSpec("b", f"tcp://127.0.0.1:{free_port()}")))
+    settings = AggregatorSettings(engines=(EngineSpec("a", f"tcp://127.0.0.1:{live}"),
+                                           EngineSpec("b", f"tcp://127.0.0.1:{free_port()}")))
     with ServerThread(create_app(settings)) as srv:
         time.sleep(0.4)
         pub.publish(KVEventBatch(time.time(), [BlockStored([1, 2], None, PROMPT[:32], 16, None, "GPU", None)]))
-        assert wait_until(lambda: httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": PROMPT}).json()["pods"], 5)
+        assert wait_until(lambda: httpx.post(f"{srv.url}/v1/lookup", json={"token_ids": PROMPT}).json()["engines"], 5)
         yield srv
     pub.shutdown(0.5)
 
@@ -133,28 +133,28 @@ def server():
 def test_route_over_http(server):
     url = server.url
     r = httpx.post(f"{url}/v1/route", json={"token_ids": PROMPT, "candidates": [
-        {"pod": "a", "load": {"kv_usage": 0.2}}, {"pod": "b", "load": {"running": 2}}]})
+        {"engine": "a", "load": {"kv_usage": 0.2}}, {"engine": "b", "load": {"running": 2}}]})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["pod"] == "a" and body["matched_tokens"] == 32 and body["tiers"] == {"GPU": 32}
-    assert {s["pod"] for s in body["scores"]} == {"a", "b"} and body["reason"]
-    # Without candidates: every pod that is not down (b has no publisher).
+    assert body["engine"] == "a" and body["matched_tokens"] == 32 and body["tiers"] == {"GPU": 32}
+    assert {s["engine"] for s in body["scores"]} == {"a", "b"} and body["reason"]
+    # Without candidates: every engine that is not down (b has no publisher).
     r = httpx.post(f"{url}/v1/route", json={"token_ids": PROMPT})
-    assert r.status_code == 200 and r.json()["pod"] == "a"
+    assert r.status_code == 200 and r.json()["engine"] == "a"
     text = httpx.get(f"{url}/metrics").text
     assert 'kvevents_lookups_total{api="route",model_name=""} 2.0' in text
 
 
 @pytest.mark.parametrize("body, status, field", [
-    ({"token_ids": PROMPT, "candidates": [{"pod": "zz"}]}, 422, "candidates[0].pod"),
-    ({"token_ids": PROMPT, "candidates": [{"pod": "a"}, {"pod": "a"}]}, 422, "candidates[1].pod"),
+    ({"token_ids": PROMPT, "candidates": [{"engine": "zz"}]}, 422, "candidates[0].engine"),
+    ({"token_ids": PROMPT, "candidates": [{"engine": "a"}, {"engine": "a"}]}, 422, "candidates[1].engine"),
     ({"token_ids": PROMPT, "candidates": []}, 422, "candidates"),
-    ({"token_ids": PROMPT, "candidates": [{"pod": "a", "load": {"waiting": -1}}]}, 422,
+    ({"token_ids": PROMPT, "candidates": [{"engine": "a", "load": {"waiting": -1}}]}, 422,
      "candidates[0].load.waiting"),
-    ({"token_ids": PROMPT, "candidates": [{"pod": "a", "load": {"kv_usage": 2}}]}, 422,
+    ({"token_ids": PROMPT, "candidates": [{"engine": "a", "load": {"kv_usage": 2}}]}, 422,
      "candidates[0].load.kv_usage"),
     ({"token_ids": [1, "x"]}, 422, "token_ids[1]"),
-    ({"candidates": [{"pod": "a"}]}, 422, "token_ids"),
+    ({"candidates": [{"engine": "a"}]}, 422, "token_ids"),
 ])
 def test_route_bad_input(server, body, status, field):
     r = httpx.post(f"{server.url}/v1/route", json=body)

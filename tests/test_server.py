@@ -12,7 +12,7 @@ from support import LossyForwarder, ServerThread, free_port, wait_until
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 BS = 4
 P = list(range(100, 124))  # a 24-token prompt: 6 blocks of 4
@@ -23,9 +23,9 @@ def blocks(tokens, i, j):
     return tokens[i * BS:j * BS]
 
 
-def h(pod_bytes: bool, n: int):
-    """Engine hash n as the pod's engine spells it (uint64 or raw digest)."""
-    return n.to_bytes(32, "big") if pod_bytes else n
+def h(engine_bytes: bool, n: int):
+    """Engine hash n as the engine spells it (uint64 or raw digest)."""
+    return n.to_bytes(32, "big") if engine_bytes else n
 
 
 class Pub:
@@ -41,13 +41,13 @@ class Pub:
 
 @pytest.fixture
 def fleet():
-    """Pod a: current map encoding, int hashes, a lossy live hop (seq 2 dropped).
-    Pod b: legacy array encoding, bytes hashes."""
+    """Engine a: current map encoding, int hashes, a lossy live hop (seq 2 dropped).
+    Engine b: legacy array encoding, bytes hashes."""
     a, b = Pub(legacy=False), Pub(legacy=True)
     fwd = LossyForwarder(f"tcp://127.0.0.1:{a.live}", drop={2})
-    settings = AggregatorSettings(pods=(
-        PodSpec("a", fwd.endpoint, replay_endpoint=f"tcp://127.0.0.1:{a.replay}", model="m"),
-        PodSpec("b", f"tcp://127.0.0.1:{b.live}", replay_endpoint=f"tcp://127.0.0.1:{b.replay}", model="m"),
+    settings = AggregatorSettings(engines=(
+        EngineSpec("a", fwd.endpoint, replay_endpoint=f"tcp://127.0.0.1:{a.replay}", model="m"),
+        EngineSpec("b", f"tcp://127.0.0.1:{b.live}", replay_endpoint=f"tcp://127.0.0.1:{b.replay}", model="m"),
     ), auth_token="s3cret", max_body_bytes=64 * 1024, max_prompt_tokens=5000)
     with ServerThread(create_app(settings)) as srv:
         yield srv, a, b
@@ -84,32 +84,32 @@ def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
     time.sleep(0.5)  # subscriptions in place (missed batches would be replayed anyway)
     feed_events(a, b)
     assert wait_until(lambda: {p["name"]: p["last_seq"] for p in
-                               httpx.get(f"{srv.url}/v1/pods").json()["pods"]} == {"a": 3, "b": 0}, 10)
+                               httpx.get(f"{srv.url}/v1/engines").json()["engines"]} == {"a": 3, "b": 0}, 10)
     got = lookup(srv, P + [1, 2, 3])
     assert got["prompt_tokens"] == 27 and got["block_size"] == BS
-    assert got["pods"] == [
-        {"pod": "a", "matched_tokens": 16, "tiers": {"GPU": 12}},
-        {"pod": "b", "matched_tokens": 4, "tiers": {"GPU": 4}},
+    assert got["engines"] == [
+        {"engine": "a", "matched_tokens": 16, "tiers": {"GPU": 12}},
+        {"engine": "b", "matched_tokens": 4, "tiers": {"GPU": 4}},
     ]
-    assert lookup(srv, Q)["pods"] == [{"pod": "b", "matched_tokens": 16, "tiers": {"GPU": 16}}]
-    assert lookup(srv, [7] * 8)["pods"] == []
-    assert lookup(srv, P, model="other")["pods"] == []
-    pods = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]}
-    assert pods["a"]["gaps"] == 1 and pods["a"]["replayed_batches"] >= 1
-    assert pods["a"]["lost_batches"] == 0 and pods["a"]["status"] == "live"
-    assert pods["a"]["blocks"] == {"GPU": 3, "CPU": 2}
-    assert pods["b"]["blocks"] == {"GPU": 5}
+    assert lookup(srv, Q)["engines"] == [{"engine": "b", "matched_tokens": 16, "tiers": {"GPU": 16}}]
+    assert lookup(srv, [7] * 8)["engines"] == []
+    assert lookup(srv, P, model="other")["engines"] == []
+    engines = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/engines").json()["engines"]}
+    assert engines["a"]["gaps"] == 1 and engines["a"]["replayed_batches"] >= 1
+    assert engines["a"]["lost_batches"] == 0 and engines["a"]["status"] == "live"
+    assert engines["a"]["blocks"] == {"GPU": 3, "CPU": 2}
+    assert engines["b"]["blocks"] == {"GPU": 5}
 
     # Block queries by decimal and hex hash.
     r = httpx.get(f"{srv.url}/v1/blocks/3").json()
-    assert r["holders"] == [{"pod": "a", "tiers": {"GPU": 1, "CPU": 1}}]
+    assert r["holders"] == [{"engine": "a", "tiers": {"GPU": 1, "CPU": 1}}]
     assert r["tokens"] == blocks(P, 2, 3)
     r = httpx.get(f"{srv.url}/v1/blocks/{h(True, 10).hex()}").json()
-    assert r["holders"] == [{"pod": "b", "tiers": {"GPU": 1}}] and r["tokens"] == Q[:4]
+    assert r["holders"] == [{"engine": "b", "tiers": {"GPU": 1}}] and r["tokens"] == Q[:4]
     assert httpx.get(f"{srv.url}/v1/blocks/424242").status_code == 404
 
     top = httpx.get(f"{srv.url}/v1/prefixes", params={"limit": 5}).json()["prefixes"]
-    assert top[0]["pods"] == ["a", "b"] and top[0]["leading_tokens"][:4] == P[:4]
+    assert top[0]["engines"] == ["a", "b"] and top[0]["leading_tokens"][:4] == P[:4]
 
     # Metrics reflect it.
     text = httpx.get(f"{srv.url}/metrics").text
@@ -117,17 +117,20 @@ def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
     assert 'kvevents_replayed_batches_total{engine="a",model_name="m"}' in text
     assert 'kvevents_unknown_removals_total{engine="b",model_name="m"} 1.0' in text
     assert 'kvevents_lookups_total{api="lookup",model_name=""} 4.0' in text
+    # One name for the followed engine in metric names too (the budget gauge was *_max_pods).
+    budget = [line for line in text.splitlines() if line.startswith("kvevents_ingest_max_")]
+    assert len(budget) == 1 and budget[0].startswith("kvevents_ingest_max_engines "), budget
 
     # A cleared cache and a publisher restart drop state.
     b.send(AllBlocksCleared())
-    assert wait_until(lambda: lookup(srv, Q)["pods"] == [], 5)
+    assert wait_until(lambda: lookup(srv, Q)["engines"] == [], 5)
 
 
 def test_bad_input_gets_4xx_naming_the_field_and_changes_nothing(fleet):
     srv, _, _ = fleet
     url = srv.url
     auth = {"Authorization": "Bearer s3cret"}
-    before = httpx.get(f"{url}/v1/pods").json()
+    before = httpx.get(f"{url}/v1/engines").json()
 
     def err(r, status, field):
         assert r.status_code == status, r.text
@@ -148,34 +151,34 @@ def test_bad_input_gets_4xx_naming_the_field_and_changes_nothing(fleet):
     err(httpx.get(f"{url}/v1/blocks/zz-not-hex"), 422, "hash")
     # Mutations: token required; then field-level errors.
     new = {"name": "c", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
-    err(httpx.post(f"{url}/v1/pods", json=new), 401, "Authorization")
-    err(httpx.post(f"{url}/v1/pods", json=new, headers={"Authorization": "Bearer nope"}), 401, "Authorization")
-    err(httpx.delete(f"{url}/v1/pods/a"), 401, "Authorization")
-    err(httpx.post(f"{url}/v1/pods", json={**new, "endpoint": "udp://x"}, headers=auth), 422, "endpoint")
-    err(httpx.post(f"{url}/v1/pods", json={**new, "replay_endpoint": "tcp://nohost"}, headers=auth), 422, "replay_endpoint")
-    err(httpx.post(f"{url}/v1/pods", json={**new, "name": "bad name!"}, headers=auth), 422, "name")
-    err(httpx.post(f"{url}/v1/pods", json={**new, "name": "a"}, headers=auth), 409, "name")
-    err(httpx.delete(f"{url}/v1/pods/nope", headers=auth), 404, "name")
-    after = httpx.get(f"{url}/v1/pods").json()
-    assert [p["name"] for p in after["pods"]] == [p["name"] for p in before["pods"]] == ["a", "b"]
+    err(httpx.post(f"{url}/v1/engines", json=new), 401, "Authorization")
+    err(httpx.post(f"{url}/v1/engines", json=new, headers={"Authorization": "Bearer nope"}), 401, "Authorization")
+    err(httpx.delete(f"{url}/v1/engines/a"), 401, "Authorization")
+    err(httpx.post(f"{url}/v1/engines", json={**new, "endpoint": "udp://x"}, headers=auth), 422, "endpoint")
+    err(httpx.post(f"{url}/v1/engines", json={**new, "replay_endpoint": "tcp://nohost"}, headers=auth), 422, "replay_endpoint")
+    err(httpx.post(f"{url}/v1/engines", json={**new, "name": "bad name!"}, headers=auth), 422, "name")
+    err(httpx.post(f"{url}/v1/engines", json={**new, "name": "a"}, headers=auth), 409, "name")
+    err(httpx.delete(f"{url}/v1/engines/nope", headers=auth), 404, "name")
+    after = httpx.get(f"{url}/v1/engines").json()
+    assert [p["name"] for p in after["engines"]] == [p["name"] for p in before["engines"]] == ["a", "b"]
 
 
-def test_pods_are_added_and_removed_at_run_time(fleet):
+def test_engines_are_added_and_removed_at_run_time(fleet):
     srv, _, _ = fleet
     auth = {"Authorization": "Bearer s3cret"}
     c = Pub(legacy=False)
     try:
-        r = httpx.post(f"{srv.url}/v1/pods", headers=auth, json={
+        r = httpx.post(f"{srv.url}/v1/engines", headers=auth, json={
             "name": "c", "endpoint": f"tcp://127.0.0.1:{c.live}",
             "replay_endpoint": f"tcp://127.0.0.1:{c.replay}", "model": "m"})
         assert r.status_code == 201, r.text
         c.send(BlockStored([77], None, Q[:4], BS, None, "GPU", None))
-        assert wait_until(lambda: any(p["pod"] == "c" for p in lookup(srv, Q)["pods"]), 10)
-        pods = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]}
-        assert pods["c"]["status"] == "live" and pods["c"]["connected"]
-        assert httpx.delete(f"{srv.url}/v1/pods/c", headers=auth).status_code == 204
-        assert all(p["pod"] != "c" for p in lookup(srv, Q)["pods"])
-        assert "c" not in [p["name"] for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]]
+        assert wait_until(lambda: any(p["engine"] == "c" for p in lookup(srv, Q)["engines"]), 10)
+        engines = {p["name"]: p for p in httpx.get(f"{srv.url}/v1/engines").json()["engines"]}
+        assert engines["c"]["status"] == "live" and engines["c"]["connected"]
+        assert httpx.delete(f"{srv.url}/v1/engines/c", headers=auth).status_code == 204
+        assert all(p["engine"] != "c" for p in lookup(srv, Q)["engines"])
+        assert "c" not in [p["name"] for p in httpx.get(f"{srv.url}/v1/engines").json()["engines"]]
     finally:
         c.pub.shutdown(0.5)
 
@@ -194,13 +197,13 @@ def test_event_stream_reports_applied_batches(fleet):
                 batch = json.loads(line[6:])
             if batch is not None and "summary" in kinds:
                 break
-    assert "summary" in kinds and batch["pod"] == "a" and batch["stored"] == 1
+    assert "summary" in kinds and batch["engine"] == "a" and batch["stored"] == 1
 
 
 def test_openapi_documents_the_api(fleet):
     srv, _, _ = fleet
     spec = httpx.get(f"{srv.url}/openapi.json").json()
-    for path in ("/v1/pods", "/v1/lookup", "/v1/blocks/{hash}", "/v1/prefixes", "/v1/events",
+    for path in ("/v1/engines", "/v1/lookup", "/v1/blocks/{hash}", "/v1/prefixes", "/v1/events",
                  "/healthz", "/metrics"):
         assert path in spec["paths"], path
     ref = spec["paths"]["/v1/lookup"]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -209,12 +212,58 @@ def test_openapi_documents_the_api(fleet):
     assert {"token_ids", "prompt", "messages"} <= set(body["properties"])
 
 
+def test_old_pod_paths_and_fields_still_answer(fleet):
+    """Engines were called pods: /v1/pods... and a route candidate's ``pod`` field still
+    work (same handlers, new names in the answers), and OpenAPI marks them deprecated."""
+    srv, _, _ = fleet
+    url, auth = srv.url, {"Authorization": "Bearer s3cret"}
+    names = lambda path: [p["name"] for p in httpx.get(f"{url}{path}").json()["engines"]]  # noqa: E731
+    assert names("/v1/pods") == names("/v1/engines") == ["a", "b"]
+    c = Pub(legacy=False)
+    try:
+        new = {"name": "c", "endpoint": f"tcp://127.0.0.1:{c.live}", "model": "m"}
+        assert httpx.post(f"{url}/v1/pods", json=new).status_code == 401  # still guarded
+        r = httpx.post(f"{url}/v1/pods", headers=auth, json=new)
+        assert r.status_code == 201 and r.json()["name"] == "c", r.text
+        assert names("/v1/engines") == ["a", "b", "c"]
+        c.send(BlockStored([77], None, Q[:4], BS, None, "GPU", None))
+        assert wait_until(lambda: httpx.get(f"{url}/v1/pods/c/blocks").json()
+                          == {"engine": "c", "tiers": {"GPU": [77]}}, 10)
+        assert httpx.delete(f"{url}/v1/pods/c", headers=auth).status_code == 204
+        assert names("/v1/engines") == ["a", "b"]
+        assert httpx.get(f"{url}/v1/pods/c/blocks").status_code == 404
+    finally:
+        c.pub.shutdown(0.5)
+
+    def route(candidates):
+        return httpx.post(f"{url}/v1/route", json={"token_ids": P, "candidates": candidates})
+
+    r = route([{"pod": "b"}, {"engine": "a", "load": {"running": 1}}])
+    assert r.status_code == 200 and {s["engine"] for s in r.json()["scores"]} == {"a", "b"}, r.text
+    for bad, field in (([{"pod": "a", "engine": "a"}], "candidates[0].engine"),
+                       ([{"load": {"running": 1}}], "candidates[0].engine"),
+                       ([{"pod": "zz"}], "candidates[0].engine")):
+        r = route(bad)
+        assert r.status_code == 422 and r.json()["field"] == field, r.text
+
+    spec = httpx.get(f"{url}/openapi.json").json()
+    paths = spec["paths"]
+    for path, methods in (("/v1/pods", ("get", "post")), ("/v1/pods/{name}", ("delete",)),
+                          ("/v1/pods/{name}/blocks", ("get",))):
+        new_path = path.replace("/v1/pods", "/v1/engines")
+        for m in methods:
+            assert paths[path][m].get("deprecated") is True, (path, m)
+            assert not paths[new_path][m].get("deprecated"), (new_path, m)
+    candidate = spec["components"]["schemas"]["CandidateBody"]["properties"]
+    assert candidate["pod"].get("deprecated") is True and "deprecated" not in candidate["engine"]
+
+
 def test_handlers_never_block_the_event_loop_on_the_index_lock():
     """While the ingest side holds the index lock, a lookup waits in a worker thread
     and the event loop keeps answering (an async route here: the OpenAPI schema)."""
     import threading
 
-    agg_settings = AggregatorSettings(pods=())
+    agg_settings = AggregatorSettings(engines=())
     app = create_app(agg_settings)
     with ServerThread(app) as srv:
         url = f"http://127.0.0.1:{srv.port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from kvevents.settings import DEFAULT_PORT, AggregatorSettings, PodSpec, SettingsError, load_settings
+from kvevents.settings import DEFAULT_PORT, AggregatorSettings, EngineSpec, SettingsError, load_settings
 
 
 def _errors(*args, **kwargs) -> list[str]:
@@ -16,14 +16,14 @@ def _errors(*args, **kwargs) -> list[str]:
 
 def test_defaults_and_default_port_is_not_vllms():
     s = load_settings(None, env={})
-    assert s.port == DEFAULT_PORT == 8090 and s.host == "127.0.0.1" and s.pods == ()
+    assert s.port == DEFAULT_PORT == 8090 and s.host == "127.0.0.1" and s.engines == ()
     assert s.stale_after_s == 30.0 and s.log_level == "info"
 
 
 def test_flags_beat_environment_beat_file_beat_defaults(tmp_path):
     cfg = tmp_path / "kv.toml"
     cfg.write_text('port = 9001\nhost = "127.0.0.2"\nstale_after_s = 5\n'
-                   'pods = ["a=tcp://127.0.0.1:1"]\n')
+                   'engines = ["a=tcp://127.0.0.1:1"]\n')
     s = load_settings(str(cfg), env={})
     assert (s.port, s.host, s.stale_after_s, s.replay_timeout_s) == (9001, "127.0.0.2", 5.0, 2.0)
     s = load_settings(str(cfg), env={"KVEVENTS_PORT": "9002", "KVEVENTS_HOST": "127.0.0.3"})
@@ -35,13 +35,13 @@ def test_flags_beat_environment_beat_file_beat_defaults(tmp_path):
 
 
 def test_environment_names_new_and_legacy():
-    env = {"KVEVENTS_PODS": "a=tcp://127.0.0.1:1; b=tcp://127.0.0.1:2,replay=tcp://127.0.0.1:3",
+    env = {"KVEVENTS_ENGINES": "a=tcp://127.0.0.1:1; b=tcp://127.0.0.1:2,replay=tcp://127.0.0.1:3",
            "KVEVENTS_STALE_AFTER": "7", "KVEVENTS_REPLAY_TIMEOUT_S": "0.5",
            "KVEVENTS_MAX_BODY_BYTES": "4096", "KVEVENTS_LOG_LEVEL": "debug"}
     s = load_settings(None, env=env)
-    assert [p.name for p in s.pods] == ["a", "b"] and s.pods[1].replay_endpoint == "tcp://127.0.0.1:3"
+    assert [p.name for p in s.engines] == ["a", "b"] and s.engines[1].replay_endpoint == "tcp://127.0.0.1:3"
     assert (s.stale_after_s, s.replay_timeout_s, s.max_body_bytes, s.log_level) == (7.0, 0.5, 4096, "debug")
-    assert [p.name for p in load_settings(None, env={"KVEVENTS_ENDPOINTS": "c=tcp://h:1"}).pods] == ["c"]
+    assert [p.name for p in load_settings(None, env={"KVEVENTS_ENDPOINTS": "c=tcp://h:1"}).engines] == ["c"]
     # The field-named variable wins over the legacy one.
     assert load_settings(None, env={"KVEVENTS_STALE_AFTER": "7", "KVEVENTS_STALE_AFTER_S": "8"}).stale_after_s == 8
     assert load_settings(None, env={"KVEVENTS_PORT": ""}).port == DEFAULT_PORT  # empty: unset
@@ -53,18 +53,18 @@ def test_direct_construction_reads_the_process_environment(monkeypatch):
     assert AggregatorSettings(port=9011).port == 9011
 
 
-def test_pods_in_a_file_as_strings_or_tables(tmp_path):
+def test_engines_in_a_file_as_strings_or_tables(tmp_path):
     cfg = tmp_path / "kv.toml"
-    cfg.write_text('[[pods]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
+    cfg.write_text('[[engines]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n'
                    'replay_endpoint = "tcp://127.0.0.1:2"\nmodel = "m"\n\n'
-                   '[[pods]]\nname = "b"\nendpoint = "tcp://*:3"\nbind = true\n')
+                   '[[engines]]\nname = "b"\nendpoint = "tcp://*:3"\nbind = true\n')
     s = load_settings(str(cfg), env={})
-    assert s.pods == (PodSpec("a", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "m"),
-                      PodSpec("b", "tcp://*:3", bind=True))
+    assert s.engines == (EngineSpec("a", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "m"),
+                         EngineSpec("b", "tcp://*:3", bind=True))
     js = tmp_path / "kv.json"
     js.write_text('{"endpoints": ["a=tcp://127.0.0.1:1,model=m"], "port": 9005}')
     s = load_settings(str(js), env={})
-    assert s.pods == (PodSpec("a", "tcp://127.0.0.1:1", model="m"),) and s.port == 9005
+    assert s.engines == (EngineSpec("a", "tcp://127.0.0.1:1", model="m"),) and s.port == 9005
 
 
 def test_a_numeric_string_is_a_number_as_in_the_environment(tmp_path):
@@ -77,11 +77,11 @@ def test_a_numeric_string_is_a_number_as_in_the_environment(tmp_path):
     ('{"port": "eighty"}', ".json", ["{f}: field 'port': Input should be a valid integer"]),
     ('{"port": 70000}', ".json", ["{f}: field 'port': Input should be less than or equal to 65535, got 70000 "
                                   "(expected: HTTP listen port, 1-65535)"]),
-    ('{"prot": 8000}', ".json", ["{f}: field 'prot': unknown setting; known: pods, host, port"]),
-    ('{"pods": [{"name": "a", "endpoint": "tcp://h:1", "replay": "tcp://h:2"}]}', ".json",
-     ["{f}: field 'pods': entry 0: unknown key 'replay' (keys: name, endpoint, replay_endpoint"]),
-    ('{"pods": [{"name": "a"}]}', ".json", ["{f}: field 'pods': entry 0: missing key 'endpoint'"]),
-    ('{"pods": ["a=udp://h:1"]}', ".json", ["{f}: field 'pods': entry 0: "]),
+    ('{"prot": 8000}', ".json", ["{f}: field 'prot': unknown setting; known: engines, host, port"]),
+    ('{"engines": [{"name": "a", "endpoint": "tcp://h:1", "replay": "tcp://h:2"}]}', ".json",
+     ["{f}: field 'engines': entry 0: unknown key 'replay' (keys: name, endpoint, replay_endpoint"]),
+    ('{"engines": [{"name": "a"}]}', ".json", ["{f}: field 'engines': entry 0: missing key 'endpoint'"]),
+    ('{"engines": ["a=udp://h:1"]}', ".json", ["{f}: field 'engines': entry 0: "]),
     ('{"port": 8000,\n "host": }', ".json", ["{f}:2:10: invalid JSON: Expecting value"]),
     ('port = 8000\nhost = \n', ".toml", ["{f}: invalid TOML: Invalid value (at line 2, column 8)"]),
     ('[1, 2]', ".json", ["{f}: the top level must be an object/table of settings"]),
@@ -108,10 +108,10 @@ def test_missing_file_environment_and_flag_errors(tmp_path):
     assert _errors(None, env={"KVEVENTS_ENDPOINTS": "x"})[0].startswith(
         "environment variable KVEVENTS_ENDPOINTS: entry 0: expected NAME=tcp://HOST:PORT")
     assert _errors(None, env={}, port=0)[0].startswith("--port: Input should be greater than or equal to 1")
-    assert _errors(None, env={}, pods=["a=tcp://h:1,replay"])[0].startswith(
+    assert _errors(None, env={}, engines=["a=tcp://h:1,replay"])[0].startswith(
         "--endpoint: entry 0: option 'replay' in 'a=tcp://h:1,replay' must be key=value")
-    assert _errors(None, env={}, pods=["a=tcp://h:1", "a=tcp://h:2"]) == [
-        "settings: pod names must be unique, got ['a', 'a']"]
+    assert _errors(None, env={}, engines=["a=tcp://h:1", "a=tcp://h:2"]) == [
+        "settings: engine names must be unique, got ['a', 'a']"]
 
 
 def test_the_highest_source_is_blamed(tmp_path):
@@ -137,4 +137,32 @@ def test_the_readme_config_example_loads(tmp_path):
         f = tmp_path / f"readme{i}.toml"
         f.write_text(block)
         s = load_settings(str(f), env={})
-        assert s.port == 8090 and s.pods
+        assert s.port == 8090 and s.engines
+
+
+def test_old_pod_names_still_load(tmp_path):
+    """Engines were called pods: config files, variables and keyword arguments that
+    still say so keep working, and errors name the key the user wrote."""
+    cfg = tmp_path / "old.toml"
+    cfg.write_text('max_pods = 3\n[[pods]]\nname = "a"\nendpoint = "tcp://127.0.0.1:1"\n')
+    s = load_settings(str(cfg), env={})
+    assert s.engines == (EngineSpec("a", "tcp://127.0.0.1:1"),) and s.max_engines == 3
+    s = load_settings(None, env={"KVEVENTS_PODS": "b=tcp://127.0.0.1:2", "KVEVENTS_MAX_PODS": "5"})
+    assert [e.name for e in s.engines] == ["b"] and s.max_engines == 5
+    # The new variable wins over the old one.
+    s = load_settings(None, env={"KVEVENTS_PODS": "b=tcp://127.0.0.1:2",
+                                 "KVEVENTS_ENGINES": "c=tcp://127.0.0.1:3"})
+    assert [e.name for e in s.engines] == ["c"]
+    assert AggregatorSettings(pods=("d=tcp://127.0.0.1:4",)).engines[0].name == "d"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"pods": [{"name": "a"}]}')
+    assert _errors(str(bad), env={}) == [f"{bad}: field 'pods': entry 0: missing key 'endpoint'"]
+    assert _errors(None, env={"KVEVENTS_MAX_PODS": "-1"})[0].startswith(
+        "environment variable KVEVENTS_MAX_PODS: ")
+
+
+def test_podspec_is_a_deprecated_alias_of_enginespec():
+    from kvevents.settings import PodSpec
+
+    assert PodSpec is EngineSpec
+    assert PodSpec.parse("a=tcp://127.0.0.1:1") == EngineSpec("a", "tcp://127.0.0.1:1")

@@ -13,7 +13,7 @@ import pytest
 
 from support import free_port, wait_until
 from kvevents.aggregator import Aggregator
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 
 try:
     from sglang.srt.disaggregation import kv_events as sgl
@@ -37,7 +37,7 @@ def setup():
     pub = sgl.ZmqEventPublisher(attn_dp_rank=0, endpoint=f"tcp://127.0.0.1:{live}",
                                 replay_endpoint=f"tcp://127.0.0.1:{replay}", bind=True,
                                 buffer_steps=100)
-    agg = Aggregator(AggregatorSettings(pods=(PodSpec(
+    agg = Aggregator(AggregatorSettings(engines=(EngineSpec(
         "sg", f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}"),)))
     agg.start()
     yield pub, agg
@@ -62,18 +62,18 @@ def test_sglang_publisher_is_indexed_exactly(setup):
     ]
     for events in batches:
         pub.publish(sgl.KVEventBatch(ts=time.time(), events=events))
-    assert wait_until(lambda: agg.pod_statuses()[0]["batches"] == 4, 10), agg.pod_statuses()
-    st = agg.pod_statuses()[0]
+    assert wait_until(lambda: agg.engine_statuses()[0]["batches"] == 4, 10), agg.engine_statuses()
+    st = agg.engine_statuses()[0]
     assert st["malformed"] == 0 and st["lost_batches"] == 0
     assert tier_hashes(agg, "GPU") == {a, b, -9}
     assert tier_hashes(agg, "CPU", "CPU_PINNED") == {a, b}
     hit = agg.lookup(list(range(0, 3 * PAGE)))
-    assert [(p.pod, p.tokens) for p in hit.pods] == [("sg", 2 * PAGE)]
-    assert agg.lookup(list(range(100, 100 + PAGE)), lora_name="adapter-x").pods[0].tokens == PAGE
-    assert agg.lookup(list(range(100, 100 + PAGE))).pods == []
+    assert [(p.engine, p.tokens) for p in hit.engines] == [("sg", 2 * PAGE)]
+    assert agg.lookup(list(range(100, 100 + PAGE)), lora_name="adapter-x").engines[0].tokens == PAGE
+    assert agg.lookup(list(range(100, 100 + PAGE))).engines == []
 
     pub.publish(sgl.KVEventBatch(ts=time.time(), events=[sgl.AllBlocksCleared()]))
-    assert wait_until(lambda: agg.pod_statuses()[0]["batches"] == 5, 10)
+    assert wait_until(lambda: agg.engine_statuses()[0]["batches"] == 5, 10)
     assert agg.index.engine_hashes("sg") in ({}, {"GPU": set()}) or not any(
         agg.index.engine_hashes("sg").values())
 

@@ -34,14 +34,14 @@ def sample_snapshot() -> snapshot.Snapshot:
     idx.apply_batch("p", KVEventBatch(1.0, [stored([1, 2], None, 0)]))
     spec = {"name": "p", "endpoint": "tcp://127.0.0.1:1", "replay_endpoint": None,
             "model": None, "topic": "", "bind": False}
-    return snapshot.Snapshot(123.0, {"p": snapshot.PodAnchor(spec, 7, 1.0)}, idx.export_state())
+    return snapshot.Snapshot(123.0, {"p": snapshot.EngineAnchor(spec, 7, 1.0)}, idx.export_state())
 
 
 def test_round_trip_and_every_corruption_is_detected(tmp_path):
     snap = sample_snapshot()
     data = snapshot.encode(snap)
     back = snapshot.decode(data)
-    assert back.pods["p"].last_seq == 7 and back.state == snap.state
+    assert back.engines["p"].last_seq == 7 and back.state == snap.state
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0x01
     wrong_version = bytearray(data)
@@ -50,6 +50,30 @@ def test_round_trip_and_every_corruption_is_detected(tmp_path):
                 b"NOTASNAP" + data[8:], b""):
         with pytest.raises(snapshot.SnapshotError):
             snapshot.decode(bad)
+
+
+def test_snapshot_written_before_the_engine_rename_still_loads():
+    """Snapshots of earlier versions key engines as "pods" (in the meta and the index
+    state): the same format version, so they must still restore."""
+    import hashlib
+    import json
+
+    import msgspec
+
+    snap = sample_snapshot()
+    doc = msgspec.msgpack.decode(snap.state)
+    doc["pods"] = doc.pop("engines")
+    old_state = msgspec.msgpack.encode(doc)
+    meta = json.dumps({"created": 123.0, "pods": {"p": {
+        "spec": snap.engines["p"].spec, "last_seq": 7, "last_ts": 1.0}}}).encode()
+    digest = hashlib.blake2b(meta + old_state, digest_size=32).digest()
+    data = snapshot._HEADER.pack(snapshot.MAGIC, snapshot.VERSION, len(meta), len(old_state),
+                                 digest) + meta + old_state
+    back = snapshot.decode(data)
+    assert back.engines["p"].last_seq == 7
+    idx = PrefixIndex()
+    idx.import_state(back.state)
+    assert idx.engines() == ["p"] and idx.engine_block_counts("p") == {"GPU": 2}
 
 
 def test_atomic_write_keeps_one_previous_and_falls_back_to_it(tmp_path):
@@ -80,7 +104,7 @@ def test_corrupt_snapshot_is_ignored_never_half_loaded(tmp_path, damage, caplog)
     if ratelog._installed is not None:
         ratelog._installed._windows.clear()
     agg = Aggregator(AggregatorSettings(data_dir=str(tmp_path)))
-    assert not list(agg.index.pods())
+    assert not list(agg.index.engines())
     assert agg.index.counters().resident_entries == 0
     assert "ignored" in caplog.text
 
@@ -117,15 +141,15 @@ class Fleet:
             self.send(*events)
             time.sleep(0.002)
 
-    def pod_arg(self) -> str:
+    def engine_arg(self) -> str:
         return f"p=tcp://127.0.0.1:{self.live},replay=tcp://127.0.0.1:{self.replay}"
 
 
-def start_server(port: int, pod: str, *extra: str) -> subprocess.Popen:
+def start_server(port: int, engine: str, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--port", str(port),
-           "--endpoint", pod, *extra]
+           "--endpoint", engine, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    ok = wait_until(lambda: _get(port, "/v1/pods") is not None, 20, 0.1)
+    ok = wait_until(lambda: _get(port, "/v1/engines") is not None, 20, 0.1)
     if not ok:
         proc.kill()
         raise RuntimeError(proc.stderr.read().decode()[-2000:])
@@ -141,7 +165,7 @@ def _get(port: int, path: str):
 
 
 def indexed(port: int) -> set[int] | None:
-    body = _get(port, "/v1/pods/p/blocks")
+    body = _get(port, "/v1/engines/p/blocks")
     return None if body is None else set(body["tiers"].get("GPU", []))
 
 
@@ -166,9 +190,9 @@ def test_restart_with_data_dir_keeps_long_lived_blocks_after_the_buffer_wrapped(
         tmp_path, fleet, sig):
     port = free_port()
     data = ["--data-dir", str(tmp_path), "--snapshot-interval", "0.3"]
-    agg = start_server(port, fleet.pod_arg(), *data)
+    agg = start_server(port, fleet.engine_arg(), *data)
     try:
-        assert wait_until(lambda: (_get(port, "/v1/pods") or {"pods": [{}]})["pods"][0].get("connected"), 10)
+        assert wait_until(lambda: (_get(port, "/v1/engines") or {"engines": [{}]})["engines"][0].get("connected"), 10)
         time.sleep(0.3)
         long_lived = [1, 2, 3, 4]  # a system prompt: announced once, cached for good
         fleet.send(stored(long_lived, None, 0))
@@ -181,19 +205,19 @@ def test_restart_with_data_dir_keeps_long_lived_blocks_after_the_buffer_wrapped(
 
     # Control: a fresh aggregator without the data dir cannot rebuild the long-lived blocks.
     fresh_port = free_port()
-    fresh = start_server(fresh_port, fleet.pod_arg())
+    fresh = start_server(fresh_port, fleet.engine_arg())
     try:
         assert wait_until(lambda: indexed(fresh_port) not in (None, set()), 10)
         assert not set(long_lived) & indexed(fresh_port)
     finally:
         stop(fresh, signal.SIGTERM)
 
-    agg = start_server(port, fleet.pod_arg(), *data)
+    agg = start_server(port, fleet.engine_arg(), *data)
     try:
         assert wait_until(lambda: indexed(port) == fleet.truth, 10), (indexed(port), fleet.truth)
         assert set(long_lived) <= indexed(port)
-        pod = _get(port, "/v1/pods")["pods"][0]
-        assert pod["restore"] == "resumed" and pod["lost_batches"] == 0
+        engine = _get(port, "/v1/engines")["engines"][0]
+        assert engine["restore"] == "resumed" and engine["lost_batches"] == 0
         # The stream goes on exactly after the restore.
         fleet.churn_batches(5)
         assert wait_until(lambda: indexed(port) == fleet.truth, 10)
@@ -203,14 +227,14 @@ def test_restart_with_data_dir_keeps_long_lived_blocks_after_the_buffer_wrapped(
     finally:
         stop(agg, signal.SIGTERM)
     fleet.churn_batches(50)
-    agg = start_server(port, fleet.pod_arg(), *data)
+    agg = start_server(port, fleet.engine_arg(), *data)
     try:
         assert wait_until(lambda: indexed(port) not in (None, set()), 10)
         time.sleep(0.5)
         got = indexed(port)
         assert got <= fleet.truth and not set(long_lived) & got
         health = _get(port, "/healthz")
-        assert health["snapshots"]["dropped_pods"] == 1
+        assert health["snapshots"]["dropped_engines"] == 1
     finally:
         stop(agg, signal.SIGTERM)
     assert sorted(os.listdir(tmp_path)) == [snapshot.CURRENT, snapshot.PREVIOUS]
@@ -218,15 +242,15 @@ def test_restart_with_data_dir_keeps_long_lived_blocks_after_the_buffer_wrapped(
 
 def test_bootstrap_from_a_peer(tmp_path, fleet):
     port, peer_port = free_port(), free_port()
-    peer = start_server(peer_port, fleet.pod_arg(), "--auth-token", "tok")
+    peer = start_server(peer_port, fleet.engine_arg(), "--auth-token", "tok")
     try:
-        assert wait_until(lambda: (_get(peer_port, "/v1/pods") or {"pods": [{}]})["pods"][0].get("connected"), 10)
+        assert wait_until(lambda: (_get(peer_port, "/v1/engines") or {"engines": [{}]})["engines"][0].get("connected"), 10)
         time.sleep(0.3)
         fleet.send(stored([1, 2, 3, 4], None, 0))
         fleet.churn_batches(40)
         assert wait_until(lambda: indexed(peer_port) == fleet.truth, 10)
         assert httpx.get(f"http://127.0.0.1:{peer_port}/v1/snapshot").status_code == 401
-        replica = start_server(port, fleet.pod_arg(), "--auth-token", "tok",
+        replica = start_server(port, fleet.engine_arg(), "--auth-token", "tok",
                                "--bootstrap-from", f"http://127.0.0.1:{peer_port}")
         try:
             assert wait_until(lambda: indexed(port) == fleet.truth, 10)

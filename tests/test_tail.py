@@ -37,11 +37,11 @@ def test_tail_shows_a_lost_live_batch_recovered_through_replay():
         fwd.close()
         pub.shutdown()
     lines = out.splitlines()
-    assert any(l.startswith("seq=0 BlockStored medium=GPU blocks=2 block_size=16 tokens=32 first=[0, 1, 2")
+    assert any(l.startswith("seq=0 BlockStored tier=GPU blocks=2 block_size=16 tokens=32 first=[0, 1, 2")
                for l in lines), out
-    assert any("seq=1 BlockStored medium=CPU blocks=1" in l and "lora=lora-x" in l for l in lines), out
+    assert any("seq=1 BlockStored tier=CPU blocks=1" in l and "lora=lora-x" in l for l in lines), out
     assert any(l.startswith("GAP expected seq=2, received seq=3") for l in lines), out
-    assert any(l.startswith("seq=2 (replayed) BlockRemoved medium=GPU blocks=2") for l in lines), out
+    assert any(l.startswith("seq=2 (replayed) BlockRemoved tier=GPU blocks=2") for l in lines), out
     # The replay answers everything from seq 2 on, so seq 3 may come either way.
     assert any(l.startswith("seq=3") and l.endswith("AllBlocksCleared") for l in lines), out
     assert not any(l.startswith("LOST") for l in lines), out

@@ -22,7 +22,7 @@ from text_tokenizer import build_bytelevel, build_metaspace, require_transformer
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec, load_settings
+from kvevents.settings import AggregatorSettings, EngineSpec, load_settings
 
 BS = 16
 CHAT = [{"role": "system", "content": "You route prompts to the engine that holds them."},
@@ -50,15 +50,15 @@ def fleet(tokdirs):
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{live}",
                                             replay_endpoint=f"tcp://*:{replay}"))
     settings = AggregatorSettings(
-        pods=(PodSpec("engine-0", f"tcp://127.0.0.1:{live}",
-                      replay_endpoint=f"tcp://127.0.0.1:{replay}", model="m"),),
+        engines=(EngineSpec("engine-0", f"tcp://127.0.0.1:{live}",
+                            replay_endpoint=f"tcp://127.0.0.1:{replay}", model="m"),),
         tokenizers=(("m", str(chat_dir)), ("plain", str(plain_dir))))
     with ServerThread(create_app(settings)) as srv:
-        assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["connected"], 10)
+        assert wait_until(lambda: httpx.get(f"{srv.url}/v1/engines").json()["engines"][0]["connected"], 10)
         full = len(ids) // BS * BS
         pub.publish(KVEventBatch(time.time(), [BlockStored(
             list(range(1, full // BS + 1)), None, ids[:full], BS, None, "GPU", None)]))
-        assert wait_until(lambda: httpx.get(f"{srv.url}/v1/pods").json()["pods"][0]["blocks"], 10)
+        assert wait_until(lambda: httpx.get(f"{srv.url}/v1/engines").json()["engines"][0]["blocks"], 10)
         yield srv, ids, auto
     pub.shutdown(0.5)
 
@@ -81,13 +81,13 @@ def test_lookup_by_messages_prompt_and_ids_agree(fleet):
     text = auto.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert by_chat == by_ids
     assert by_chat["prompt_tokens"] == len(ids)
-    assert by_chat["pods"] == [{"pod": "engine-0", "matched_tokens": cached, "tiers": {"GPU": cached}}]
+    assert by_chat["engines"] == [{"engine": "engine-0", "matched_tokens": cached, "tiers": {"GPU": cached}}]
     # As a plain prompt the text gets the tokenizer's BOS in front: one more token, the
     # same as transformers' tokenizer(text), and the cached blocks no longer line up.
     by_prompt = post(srv, "/v1/lookup", {"prompt": text, "model": "m"}).json()
     assert by_prompt["prompt_tokens"] == len(auto(text)["input_ids"]) == len(ids) + 1
     route = post(srv, "/v1/route", {"messages": CHAT, "model": "m"}).json()
-    assert route["pod"] == "engine-0" and route["matched_tokens"] == cached
+    assert route["engine"] == "engine-0" and route["matched_tokens"] == cached
 
 
 @pytest.mark.parametrize("body,status,field", [

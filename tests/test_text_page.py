@@ -14,7 +14,7 @@ from text_tokenizer import build_bytelevel, require_transformers
 from kvevents.api import create_app
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, PodSpec
+from kvevents.settings import AggregatorSettings, EngineSpec
 from kvevents.text import TextTokenizer
 from kvevents.text.chat import ChatMessage
 
@@ -35,14 +35,14 @@ def test_live_page_shows_prefix_text(tmp_path):
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{live}", replay_endpoint=f"tcp://*:{replay}"))
     plain = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{plain_live}"))
     settings = AggregatorSettings(
-        pods=(PodSpec("engine-0", f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
-                      model="m"),
-              PodSpec("engine-1", f"tcp://127.0.0.1:{plain_live}", model="other")),
+        engines=(EngineSpec("engine-0", f"tcp://127.0.0.1:{live}", replay_endpoint=f"tcp://127.0.0.1:{replay}",
+                            model="m"),
+              EngineSpec("engine-1", f"tcp://127.0.0.1:{plain_live}", model="other")),
         tokenizers=(("m", str(tokdir)),))
     browser = None
     try:
         with ServerThread(create_app(settings)) as srv:
-            assert wait_until(lambda: all(p["connected"] for p in httpx.get(f"{srv.url}/v1/pods").json()["pods"]), 10)
+            assert wait_until(lambda: all(p["connected"] for p in httpx.get(f"{srv.url}/v1/engines").json()["engines"]), 10)
             pub.publish(KVEventBatch(time.time(), [BlockStored(
                 list(range(1, full // BS + 1)), None, ids[:full], BS, None, "GPU", None)]))
             plain.publish(KVEventBatch(time.time(), [BlockStored(

@@ -247,7 +247,7 @@ def test_aggregator_index_equals_engine_contents(runs):
     from driver import prompts
 
     resp = httpx.post(f"{url}/v1/lookup", json={"token_ids": prompts()["A"]}, timeout=5).json()
-    pods = {p["pod"]: p for p in resp["pods"]}
+    pods = {p["engine"]: p for p in resp["engines"]}
     assert pods[POD]["tiers"].get("CPU", 0) == 96, resp
     print(f"index == engine: GPU {len(want['GPU'])} blocks, CPU {len(want['CPU'])} blocks; lookup {pods[POD]}")
 
@@ -325,7 +325,7 @@ def test_openai_server_serves_evicted_prefix_from_cpu_tier(server, runs):
 
     def cpu_tier_reported() -> bool:
         resp = httpx.post(server["agg"] + "/v1/lookup", json={"token_ids": ps["A"]}, timeout=5).json()
-        pods = {p["pod"]: p for p in resp["pods"]}
+        pods = {p["engine"]: p for p in resp["engines"]}
         return POD in pods and pods[POD]["tiers"].get("CPU", 0) == 96
 
     assert wait_until(cpu_tier_reported, timeout=30, interval=0.5)

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from kvevents.aggregator import Aggregator
-from kvevents.api import routes_ops, routes_pods, routes_query, routes_route, routes_snapshot
+from kvevents.api import routes_ops, routes_engines, routes_query, routes_route, routes_snapshot
 from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
 from kvevents.api.limits import BodySizeLimit
@@ -56,7 +56,8 @@ def create_app(
     app.state.tokenizers = TokenizerRegistry.load(settings.tokenizers)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(routes_ops.router)
-    app.include_router(routes_pods.router)
+    app.include_router(routes_engines.router)
+    app.include_router(routes_engines.legacy_router)
     app.include_router(routes_query.router)
     app.include_router(routes_route.router)
     app.include_router(routes_snapshot.router)

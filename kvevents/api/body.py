@@ -36,7 +36,7 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
         min_length=1, description="OpenAI chat messages, rendered with `model`'s chat "
                                   "template (generation prompt added) and tokenized.")] | None = None
     model: Annotated[str, msgspec.Meta(
-        description="Only consider pods serving this model; names the tokenizer for "
+        description="Only consider engines serving this model; names the tokenizer for "
                     "`prompt` and `messages`.")] | None = None
     lora_name: Annotated[str, msgspec.Meta(
         description="LoRA adapter the prompt runs under.")] | None = None
@@ -54,15 +54,32 @@ class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class CandidateBody(msgspec.Struct, forbid_unknown_fields=True):
-    pod: str
+    """One engine to choose from. ``pod`` is the old name of ``engine`` (engines were
+    called pods), still accepted; exactly one of the two is required."""
+
+    engine: Annotated[str | None, msgspec.Meta(description="The engine's name.")] = None
     load: LoadBody | None = None
+    pod: Annotated[str | None, msgspec.Meta(
+        description="Deprecated: the old name of `engine`.",
+        extra_json_schema={"deprecated": True})] = None
+
+    def __post_init__(self) -> None:
+        # Raised here, msgspec reports it at this candidate's path ("candidates[i]"),
+        # and _field() appends the field named in backticks.
+        if self.engine is None:
+            if self.pod is None:
+                raise ValueError("Object missing required field `engine`")
+            self.engine = self.pod
+        elif self.pod is not None:
+            raise ValueError("both field `engine` and its old name `pod` given: give `engine` only")
+        self.pod = None
 
 
 class RouteBody(LookupBody, forbid_unknown_fields=True):
     """A prompt to route, with the engines to choose from."""
 
     candidates: Annotated[list[CandidateBody], msgspec.Meta(
-        description="Engines to choose from, with their load; default: every pod not "
+        description="Engines to choose from, with their load; default: every engine not "
                     "down.")] | None = None
 
 

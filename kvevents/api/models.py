@@ -1,4 +1,4 @@
-"""Response models of the HTTP API and the pod body (pydantic, for OpenAPI).
+"""Response models of the HTTP API and the engine body (pydantic, for OpenAPI).
 
 The lookup and route bodies are msgspec Structs in :mod:`kvevents.api.body` (defined
 once, schema generated from them). Unknown fields are rejected so a typo (``tokens``
@@ -12,14 +12,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvevents.settings import POD_NAME_PATTERN
+from kvevents.settings import ENGINE_NAME_PATTERN
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PodScoreOut(BaseModel):
-    pod: str
+class EngineScoreOut(BaseModel):
+    engine: str
     score: float
     cache_score: float
     load: float
@@ -29,36 +29,36 @@ class PodScoreOut(BaseModel):
 
 
 class RouteResponse(BaseModel):
-    pod: str
+    engine: str
     matched_tokens: int
     tiers: dict[str, int]
-    scores: list[PodScoreOut]
+    scores: list[EngineScoreOut]
     reason: str
 
 
-class PodMatchOut(BaseModel):
-    pod: str
+class EngineMatchOut(BaseModel):
+    engine: str
     matched_tokens: int = Field(description="Leading prompt tokens cached in any tier.")
     tiers: dict[str, int] = Field(description="Per tier, that tier's own leading run in tokens.")
-    down: bool | None = Field(None, description="Present (true) when the pod has been down for "
+    down: bool | None = Field(None, description="Present (true) when the engine has been down for "
                                                 "--down-after seconds: not offered for routing.")
 
 
 class LookupResponse(BaseModel):
     prompt_tokens: int
     block_size: int
-    pods: list[PodMatchOut] = Field(description="Pods holding a prefix, best first.")
+    engines: list[EngineMatchOut] = Field(description="Engines holding a prefix, best first.")
 
 
-class PodCreate(_Strict):
-    name: str = Field(pattern=POD_NAME_PATTERN)
+class EngineCreate(_Strict):
+    name: str = Field(pattern=ENGINE_NAME_PATTERN)
     endpoint: str = Field(description="The publisher's live endpoint, tcp://HOST:PORT.")
     replay_endpoint: str | None = Field(None, description="Its replay (ROUTER) endpoint.")
     model: str | None = None
     topic: str = ""
 
 
-class PodOut(BaseModel):
+class EngineOut(BaseModel):
     name: str
     endpoint: str
     replay_endpoint: str | None
@@ -84,18 +84,18 @@ class PodOut(BaseModel):
                           "and the bytes held back.")
 
 
-class PodBlocksResponse(BaseModel):
-    pod: str
+class EngineBlocksResponse(BaseModel):
+    engine: str
     tiers: dict[str, list[int | str]] = Field(
         description="Per tier, the resident engine block hashes (ints, or hex for digests).")
 
 
-class PodsResponse(BaseModel):
-    pods: list[PodOut]
+class EnginesResponse(BaseModel):
+    engines: list[EngineOut]
 
 
 class BlockHolderOut(BaseModel):
-    pod: str
+    engine: str
     tiers: dict[str, int] = Field(description="Tier -> reference count.")
 
 
@@ -116,7 +116,7 @@ class PrefixOut(BaseModel):
     leading_tokens: list[int]
     text: str | None = Field(None, description="The leading tokens' text, when the prefix's "
                              "model has a tokenizer (absent when no tokenizer is configured).")
-    pods: list[str]
+    engines: list[str]
     model: str | None = None
     lora_name: str | None = None
 
@@ -132,7 +132,7 @@ class ErrorResponse(BaseModel):
 
 ERRORS = {
     401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"},
-    404: {"model": ErrorResponse, "description": "Unknown pod or block"},
+    404: {"model": ErrorResponse, "description": "Unknown engine or block"},
     409: {"model": ErrorResponse, "description": "Name already taken"},
     413: {"model": ErrorResponse, "description": "Body or prompt too large"},
     422: {"model": ErrorResponse, "description": "Invalid field (named in `field`)"},

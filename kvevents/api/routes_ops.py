@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvevents.aggregator import Aggregator
-from kvevents.api.routes_pods import get_aggregator
+from kvevents.api.routes_engines import get_aggregator
 from kvevents.feed import parse_last_event_id, to_json
 
 router = APIRouter(tags=["operations"])
@@ -25,9 +25,9 @@ _SSE_SUMMARY_S = 1.0
 @router.get("/healthz", summary="Liveness: 503 when ingest is not running or stuck",
             responses={503: {"description": "ingest is not running or stuck (body says why)"}})
 def healthz(agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
-    pods, live = agg.pod_counts()  # never waits on the index lock
+    engines, live = agg.engine_counts()  # never waits on the index lock
     ingest = agg.ingest_health()
-    body = {"status": "ok" if ingest["ok"] else "unhealthy", "pods": pods, "live": live,
+    body = {"status": "ok" if ingest["ok"] else "unhealthy", "engines": engines, "live": live,
             "uptime_seconds": round(time.time() - agg.started_at, 3), "ingest": ingest,
             "snapshots": agg.snapshot_stats}
     if not ingest["ok"]:
@@ -35,8 +35,8 @@ def healthz(agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ingest["ok"] else 503)
 
 
-@router.get("/readyz", summary="Readiness: 200 once every pod finished its initial replay",
-            responses={503: {"description": "pods still replaying their history"}})
+@router.get("/readyz", summary="Readiness: 200 once every engine finished its initial replay",
+            responses={503: {"description": "engines still replaying their history"}})
 def readyz(agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
     ready = agg.readiness()
     ingest = agg.ingest_health()
@@ -56,7 +56,7 @@ def metrics(agg: Aggregator = Depends(get_aggregator)) -> Response:
 def summary(agg: Aggregator) -> dict:
     """The fleet at a glance, for the live page."""
     counters = agg.index.counters()
-    return {"ts": time.time(), "pods": agg.pod_statuses(),
+    return {"ts": time.time(), "engines": agg.engine_statuses(),
             "index": {"entries": counters.resident_entries,
                       "distinct_blocks": counters.distinct_blocks},
             "lookups": {**agg.metrics.totals, "tier_tokens": dict(agg.metrics.tier_totals)},

@@ -13,7 +13,7 @@ from kvevents.api.body import LookupBody, body_doc, decode_lookup
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, BlockResponse, LookupResponse, PrefixesResponse
 from kvevents.api.prompt import get_tokenizers, prompt_token_ids
-from kvevents.api.routes_pods import get_aggregator
+from kvevents.api.routes_engines import get_aggregator
 from kvevents.index import LookupResult
 from kvevents.schema import BlockHash, hash_to_str
 from kvevents.text import TokenizerRegistry
@@ -28,26 +28,26 @@ def json_response(payload: object, status: int = 200) -> Response:
 
 
 def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = frozenset()) -> dict:
-    """``down``: pods gone for ``down_after_s``; still listed, marked ``"down": true``."""
-    pods = [{"pod": p.pod, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.pods]
+    """``down``: engines gone for ``down_after_s``; still listed, marked ``"down": true``."""
+    engines = [{"engine": p.engine, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.engines]
     if down:
-        for entry in pods:
-            if entry["pod"] in down:
+        for entry in engines:
+            if entry["engine"] in down:
                 entry["down"] = True
-    return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "pods": pods}
+    return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "engines": engines}
 
 
 # async: the lookup is CPU-light and short, so it runs on the event loop instead of
 # paying a thread-pool hop per request; a wait for the index lock goes to a thread.
 @router.post("/lookup", response_model=LookupResponse, responses=ERRORS,
              openapi_extra=body_doc(LookupBody),
-             summary="Per pod, how many leading prompt tokens are cached, per tier and in total")
+             summary="Per engine, how many leading prompt tokens are cached, per tier and in total")
 async def lookup(body: LookupBody = Depends(decode_lookup),
                  agg: Aggregator = Depends(get_aggregator),
                  tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
     token_ids = await prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
     result = await offloop.lookup(agg, token_ids, body.model, body.lora_name, "lookup")
-    return json_response(lookup_payload(result, agg.unroutable_pods()))
+    return json_response(lookup_payload(result, agg.unroutable_engines()))
 
 
 # ASCII digits only: str.isdigit() also accepts "²", which int() then rejects.
@@ -77,11 +77,11 @@ def parse_block_hash(text: str) -> BlockHash:
 
 
 @router.get("/blocks/{hash}", response_model=BlockResponse, responses=ERRORS,
-            summary="Which pods and tiers hold an engine block hash, with its tokens")
+            summary="Which engines and tiers hold an engine block hash, with its tokens")
 def block(hash: str, agg: Aggregator = Depends(get_aggregator)) -> Response:  # noqa: A002
     info = agg.index.blocks_by_engine_hash(parse_block_hash(hash))
     if not info.holders and info.tokens is None:
-        raise ApiError(404, f"no pod holds block {hash}", "hash")
+        raise ApiError(404, f"no engine holds block {hash}", "hash")
     return json_response({
         "hash": hash_to_str(info.engine_hash),
         "holders": info.holders,

@@ -12,35 +12,35 @@ from kvevents.api.body import RouteBody, body_doc, decode_route
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, RouteResponse
 from kvevents.api.prompt import get_tokenizers, prompt_token_ids
-from kvevents.api.routes_pods import get_aggregator
+from kvevents.api.routes_engines import get_aggregator
 from kvevents.api.routes_query import json_response
-from kvevents.router import Candidate, EngineLoad, without_pods
+from kvevents.router import Candidate, EngineLoad, without_engines
 from kvevents.text import TokenizerRegistry
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 
 
 def candidates_of(body: RouteBody, agg: Aggregator) -> list[Candidate]:
-    """The request's candidates, each checked against the followed pods; by default
-    every pod that is not down, with no load."""
-    known = {p["name"]: p["status"] for p in agg.pod_statuses()}
+    """The request's candidates, each checked against the followed engines; by default
+    every engine that is not down, with no load."""
+    known = {p["name"]: p["status"] for p in agg.engine_statuses()}
     if body.candidates is None:
-        pods = [name for name, status in known.items() if status != "down"] or list(known)
-        if not pods:
-            raise ApiError(422, "the aggregator follows no pods; pass candidates", "candidates")
-        return [Candidate(p) for p in pods]
+        engines = [name for name, status in known.items() if status != "down"] or list(known)
+        if not engines:
+            raise ApiError(422, "the aggregator follows no engines; pass candidates", "candidates")
+        return [Candidate(p) for p in engines]
     if not body.candidates:
         raise ApiError(422, "candidates must not be empty", "candidates")
     out = []
     seen = set()
     for i, c in enumerate(body.candidates):
-        if c.pod not in known:
-            raise ApiError(422, f"unknown pod {c.pod!r}", f"candidates[{i}].pod")
-        if c.pod in seen:
-            raise ApiError(422, f"pod {c.pod!r} listed twice", f"candidates[{i}].pod")
-        seen.add(c.pod)
+        if c.engine not in known:
+            raise ApiError(422, f"unknown engine {c.engine!r}", f"candidates[{i}].engine")
+        if c.engine in seen:
+            raise ApiError(422, f"engine {c.engine!r} listed twice", f"candidates[{i}].engine")
+        seen.add(c.engine)
         load = EngineLoad(c.load.waiting, c.load.running, c.load.kv_usage) if c.load else EngineLoad()
-        out.append(Candidate(c.pod, load))
+        out.append(Candidate(c.engine, load))
     return out
 
 
@@ -52,13 +52,13 @@ async def route(body: RouteBody = Depends(decode_route),
                 tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
     token_ids = await prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
     candidates = candidates_of(body, agg)
-    lookup = without_pods(
+    lookup = without_engines(
         await offloop.lookup(agg, token_ids, body.model, body.lora_name, "route"),
-        agg.unroutable_pods())
-    # Never a down pod while one that is not down is on offer.
-    down = agg.down_pods()
+        agg.unroutable_engines())
+    # Never a down engine while one that is not down is on offer.
+    down = agg.down_engines()
     decision = agg.router.choose(token_ids, lookup, candidates, down=down)
     return json_response({
-        "pod": decision.pod, "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,
+        "engine": decision.engine, "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,
         "scores": [dataclasses.asdict(s) for s in decision.scores], "reason": decision.reason,
     })

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Response
 from kvevents.aggregator import Aggregator
 from kvevents.api.auth import require_token
 from kvevents.api.models import ERRORS
-from kvevents.api.routes_pods import get_aggregator
+from kvevents.api.routes_engines import get_aggregator
 
 router = APIRouter(prefix="/v1", tags=["operations"])
 
@@ -20,6 +20,6 @@ router = APIRouter(prefix="/v1", tags=["operations"])
 # def: capturing copies the index under the apply lock; keep it off the event loop.
 @router.get("/snapshot", responses=ERRORS, dependencies=[Depends(require_token)],
             response_class=Response,
-            summary="The index and each pod's stream position, for bootstrapping a replica")
+            summary="The index and each engine's stream position, for bootstrapping a replica")
 def get_snapshot(agg: Aggregator = Depends(get_aggregator)) -> Response:
     return Response(agg.capture_snapshot(), media_type="application/octet-stream")

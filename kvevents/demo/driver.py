@@ -9,7 +9,7 @@ each completion; requests still in flight count).
 
 At the end the demo drains every engine (all requests done, all copies landed, all
 events published), waits until the aggregator has applied each engine's last batch,
-and compares the aggregator's view of every pod (``GET /v1/pods/{name}/blocks``) with
+and compares the aggregator's view of every engine (``GET /v1/engines/{name}/blocks``) with
 that engine's true cache contents, tier by tier.
 """
 
@@ -86,15 +86,15 @@ class Driver:
         candidates = [Candidate(e.name, EngineLoad(waiting=self.load_at(e.name, req.arrival)))
                       for e in self.fleet.engines]
         if self.policy != "kv":
-            return self.local[self.policy].choose(req.token_ids, None, candidates).pod
+            return self.local[self.policy].choose(req.token_ids, None, candidates).engine
         body = {"token_ids": req.token_ids, "candidates": [
-            {"pod": c.pod, "load": {"waiting": c.load.waiting}} for c in candidates]}
+            {"engine": c.engine, "load": {"waiting": c.load.waiting}} for c in candidates]}
         r = self.http.post("/v1/route", content=json.dumps(body),
                            headers={"content-type": "application/json"})
         if r.status_code != 200:
             self.state.route_errors += 1
-            return self.local["least_loaded"].choose(req.token_ids, None, candidates).pod
-        return r.json()["pod"]
+            return self.local["least_loaded"].choose(req.token_ids, None, candidates).engine
+        return r.json()["engine"]
 
     def dispatch(self, req: DemoRequest) -> None:
         engine = self.route(req)
@@ -164,14 +164,14 @@ class Driver:
         gpu = sum(o.gpu_hit for o in outs) / prompt
         cpu = sum(o.cpu_hit for o in outs) / prompt
         try:
-            pods = self.http.get("/v1/pods", timeout=2).json()["pods"]
+            engines = self.http.get("/v1/engines", timeout=2).json()["engines"]
         except (httpx.HTTPError, ValueError):
-            pods = []
-        batches = sum(p["batches"] for p in pods)
+            engines = []
+        batches = sum(p["batches"] for p in engines)
         t_prev, b_prev = self._last_batches
         rate = (batches - b_prev) / max(now - t_prev, 1e-6)
         self._last_batches = (now, batches)
-        lag = max((p["lag_seconds"] or 0.0) for p in pods) if pods else 0.0
+        lag = max((p["lag_seconds"] or 0.0) for p in engines) if engines else 0.0
         width = 24
         filled = int(width * self.state.done / max(total, 1))
         line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.state.done}/{total} requests"
@@ -191,8 +191,8 @@ class Driver:
         want = {name: d["last_seq"] for name, d in drained.items()}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            pods = {p["name"]: p["last_seq"] for p in self.http.get("/v1/pods").json()["pods"]}
-            if all(want[n] < 0 or pods.get(n) == want[n] for n in want):
+            engines = {p["name"]: p["last_seq"] for p in self.http.get("/v1/engines").json()["engines"]}
+            if all(want[n] < 0 or engines.get(n) == want[n] for n in want):
                 break
             time.sleep(0.1)
         return drained
@@ -202,7 +202,7 @@ class Driver:
         out = {}
         for e in self.fleet.engines:
             truth = e.call({"op": "contents"}, "contents", 60, on_other=self.on_message)["tiers"]
-            seen = self.http.get(f"/v1/pods/{e.name}/blocks").json()["tiers"]
+            seen = self.http.get(f"/v1/engines/{e.name}/blocks").json()["tiers"]
             per = {}
             for tier in set(truth) | set(seen):
                 a, b = set(truth.get(tier, [])), set(seen.get(tier, []))
@@ -221,7 +221,7 @@ class Driver:
         loaded_b = sum(d["offload"].get("loaded_bytes", 0) for d in drained.values())
         stored_s = sum(d["offload"].get("stored_seconds", 0.0) for d in drained.values())
         loaded_s = sum(d["offload"].get("loaded_seconds", 0.0) for d in drained.values())
-        pods = self.http.get("/v1/pods").json()["pods"]
+        engines = self.http.get("/v1/engines").json()["engines"]
         per_engine = {e.name: 0 for e in self.fleet.engines}
         for o in outs:
             per_engine[o.engine] += 1
@@ -246,10 +246,10 @@ class Driver:
             "events": {
                 "published": sum(d["published"] for d in drained.values()),
                 "dropped_at_publish": sum(d["dropped"] for d in drained.values()),
-                "applied": sum(p["batches"] for p in pods),
-                "gaps": sum(p["gaps"] for p in pods),
-                "replayed": sum(p["replayed_batches"] for p in pods),
-                "lost": sum(p["lost_batches"] for p in pods),
+                "applied": sum(p["batches"] for p in engines),
+                "gaps": sum(p["gaps"] for p in engines),
+                "replayed": sum(p["replayed_batches"] for p in engines),
+                "lost": sum(p["lost_batches"] for p in engines),
             },
             "index_mismatches": sum(sum(v.values()) for v in mismatches.values()),
             "index_mismatches_by_engine": mismatches,

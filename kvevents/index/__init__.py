@@ -5,9 +5,9 @@ Files, one concept each::
     _core.pyx     the compiled core: slots, residency masks, refcounts, hash tables;
                   applies a whole batch and matches a whole prompt in one call each
     _tables.pxi   its open-addressing hash tables (included by _core.pyx)
-    registry.py   pod names <-> core ids
+    registry.py   engine names <-> core ids
     index.py      PrefixIndex: the facade (lock, counters by name, lookup results)
-    queries.py    inspection queries, read in short chunks (top prefixes, pod blocks)
+    queries.py    inspection queries, read in short chunks (top prefixes, engine blocks)
     state.py      export / import of the whole index for snapshots
     results.py    query/result types (msgspec Structs)
 
@@ -23,7 +23,7 @@ from .results import (
     EventCount,
     IndexCounters,
     LookupResult,
-    PodMatch,
+    EngineMatch,
     PrefixInfo,
 )
 
@@ -36,7 +36,7 @@ __all__ = [
     "IndexBusy",
     "IndexCounters",
     "LookupResult",
-    "PodMatch",
+    "EngineMatch",
     "PrefixIndex",
     "PrefixInfo",
     "feeds_prefix_matching",

@@ -3,18 +3,18 @@
 A small facade over the compiled core (``_core.pyx``), which does all the per-event,
 per-block and per-token work::
 
-    apply_batch(pod, batch) ─► Core.apply: one call per batch (every event, in order)
+    apply_batch(engine, batch) ─► Core.apply: one call per batch (every event, in order)
     lookup(tokens)          ─► Core.match: one call per lookup (every namespace asked)
-    queries.py              ─► inspection (top prefixes, a pod's blocks) in short chunks
+    queries.py              ─► inspection (top prefixes, an engine's blocks) in short chunks
     state.py                ─► snapshot / restore of the whole index
 
-The facade owns what is per pod *name* (ids, counters kept across drops) and the lock.
+The facade owns what is per engine *name* (ids, counters kept across drops) and the lock.
 
 Namespaces: (model, block size, LoRA name) roots keep blocks apart; ``model`` is the
-one ``apply_batch`` was given for the pod (events do not carry it). Their number is
-capped in total and per pod; media (tiers) are capped too. An event beyond a cap, or
+one ``apply_batch`` was given for the engine (events do not carry it). Their number is
+capped in total and per engine; tiers are capped too. An event beyond a cap, or
 with hashes or tokens of the wrong type or range, is refused whole, counted by reason
-(``counters().refused_events``) and logged at most once a minute per pod and reason;
+(``counters().refused_events``) and logged at most once a minute per engine and reason;
 the rest of its batch applies.
 
 Thread-safety: one writer (the ingest thread) and any number of readers (HTTP). Every
@@ -38,14 +38,14 @@ from typing import Any
 from ..schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from . import queries, state
 from ._core import Core
-from .registry import PodRegistry
+from .registry import EngineRegistry
 from .results import (
     ApplyStats,
     BlockInfo,
     EventCount,
     IndexCounters,
     LookupResult,
-    PodMatch,
+    EngineMatch,
     PrefixInfo,
 )
 
@@ -56,7 +56,7 @@ _REFUSAL_LOG_INTERVAL_S = 60.0
 
 @dataclass
 class _Counts:
-    """Counters by pod name: applied[(pod, tier, kind)] = [events, blocks], and per pod
+    """Counters by engine name: applied[(engine, tier, kind)] = [events, blocks], and per engine
     unknown removals, orphan blocks, ignored events, refused events by reason."""
 
     applied: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
@@ -90,10 +90,10 @@ def feeds_prefix_matching(event: BlockStored | BlockRemoved) -> bool:
 
 
 class PrefixIndex:
-    """Exact prefix index over the KV blocks every pod announces.
+    """Exact prefix index over the KV blocks every engine announces.
 
-    Lifecycle: create once; feed each pod's batches in seq order with
-    :meth:`apply_batch`; call :meth:`drop_pod` when a publisher restarts, loses events
+    Lifecycle: create once; feed each engine's batches in seq order with
+    :meth:`apply_batch`; call :meth:`drop_engine` when a publisher restarts, loses events
     beyond replay, or is unsubscribed; query from any thread.
     """
 
@@ -102,26 +102,30 @@ class PrefixIndex:
         keep_tokens: bool = True,
         *,
         max_namespaces: int = 4096,
-        max_namespaces_per_pod: int = 256,
+        max_namespaces_per_engine: int = 256,
         max_tiers: int = 8,
         max_block_sizes: int = 8,
+        max_namespaces_per_pod: int | None = None,
     ) -> None:
         """``keep_tokens``: keep the tokens of the blocks within each sequence's first
         64 tokens (what ``top_prefixes`` and ``blocks_by_engine_hash`` show).
-        ``max_namespaces`` / ``max_namespaces_per_pod``: caps on distinct (model, block
-        size, LoRA) namespaces; ``max_tiers``: cap on distinct media (at most 8);
+        ``max_namespaces`` / ``max_namespaces_per_engine``: caps on distinct (model, block
+        size, LoRA) namespaces; ``max_tiers``: cap on distinct tiers (at most 8);
         ``max_block_sizes``: cap on block sizes per (model, LoRA), which bounds what a
-        lookup tries."""
+        lookup tries. ``max_namespaces_per_pod``: deprecated old name of
+        ``max_namespaces_per_engine`` (engines were called pods), used when given."""
+        if max_namespaces_per_pod is not None:
+            max_namespaces_per_engine = max_namespaces_per_pod
         self.lock = threading.Lock()
-        self._limits = (keep_tokens, max_namespaces, max_namespaces_per_pod, max_tiers,
+        self._limits = (keep_tokens, max_namespaces, max_namespaces_per_engine, max_tiers,
                         max_block_sizes)
         self._reset()
 
     def _reset(self) -> None:
         self._core = Core(*self._limits)
-        self._pods = PodRegistry()
-        # Counters of pods' past lives by name (monotonic, kept across drops); the live
-        # pods' own are in the core, per id, and added in by _all_counts.
+        self._engines = EngineRegistry()
+        # Counters of engines' past lives by name (monotonic, kept across drops); the live
+        # engines' own are in the core, per id, and added in by _all_counts.
         self._counts = _Counts()
         self._refusal_logged: dict[tuple[str, str], float] = {}
         # Lookup's namespace lists, extended as the core creates namespaces.
@@ -133,85 +137,85 @@ class PrefixIndex:
     # ------------------------------------------------------------------ ingest
 
     def apply_batch(
-        self, pod: str, batch: KVEventBatch, model: str | None = None
+        self, engine: str, batch: KVEventBatch, model: str | None = None
     ) -> ApplyStats:
-        """Apply one decoded batch of ``pod``'s events, in order.
+        """Apply one decoded batch of ``engine``'s events, in order.
 
-        ``model`` names the pod's model (the namespace its blocks live in); the same pod
+        ``model`` names the engine's model (the namespace its blocks live in); the same engine
         should always be fed with the same model. Never raises on event content: bad
         events are refused and counted, the rest apply.
         """
         with self.lock:
-            pid = self._pods.get(pod)
+            pid = self._engines.get(engine)
             if pid is None:
-                pid, salt = self._pods.add(pod)
+                pid, salt = self._engines.add(engine)
                 self._core.ensure_pod(pid, salt)
             stats = self._core.apply(pid, batch.events, model)
             if stats.refused_events:
-                self._log_refusal(pod)
+                self._log_refusal(engine)
         return stats
 
     def apply_batches(
-        self, pod: str, batches: list[KVEventBatch], model: str | None = None
+        self, engine: str, batches: list[KVEventBatch], model: str | None = None
     ) -> ApplyStats:
-        """:meth:`apply_batch` for consecutive batches of ``pod``, in order, under one
+        """:meth:`apply_batch` for consecutive batches of ``engine``, in order, under one
         lock and in one core call (the ingest loop's path); the stats are their sum. An
         exception leaves the batches before the failing one applied."""
         with self.lock:
-            pid = self._pods.get(pod)
+            pid = self._engines.get(engine)
             if pid is None:
-                pid, salt = self._pods.add(pod)
+                pid, salt = self._engines.add(engine)
                 self._core.ensure_pod(pid, salt)
             stats = self._core.apply_batches(pid, batches, model)
             if stats.refused_events:
-                self._log_refusal(pod)
+                self._log_refusal(engine)
         return stats
 
-    def _fold(self, pod: str, pid: int, into: _Counts) -> None:
-        """Add pod ``pid``'s cumulative core counters to ``into`` (by pod name)."""
+    def _fold(self, engine: str, pid: int, into: _Counts) -> None:
+        """Add engine ``pid``'s cumulative core counters to ``into`` (by engine name)."""
         applied, cleared, unknown, orphans, ignored, refused = self._core.pod_counters(pid)
         for (tier, kind), (n_ev, n_bl) in applied.items():
-            c = into.applied.setdefault((pod, tier, kind), [0, 0])
+            c = into.applied.setdefault((engine, tier, kind), [0, 0])
             c[0] += n_ev
             c[1] += n_bl
         if cleared:
-            into.applied.setdefault((pod, "*", "AllBlocksCleared"), [0, 0])[0] += cleared
+            into.applied.setdefault((engine, "*", "AllBlocksCleared"), [0, 0])[0] += cleared
         for d, n in ((into.unknown, unknown), (into.orphans, orphans), (into.ignored, ignored)):
             if n:
-                d[pod] = d.get(pod, 0) + n
+                d[engine] = d.get(engine, 0) + n
         if refused:
-            mine = into.refused.setdefault(pod, {})
+            mine = into.refused.setdefault(engine, {})
             for reason, n in refused.items():
                 mine[reason] = mine.get(reason, 0) + n
 
     def _all_counts(self) -> _Counts:
-        """The counters by name: those of dropped pods' past lives plus the live pods'
+        """The counters by name: those of dropped engines' past lives plus the live engines'
         (caller holds the lock)."""
         out = self._counts.copy()
-        for pod, pid in self._pods.ids.items():
-            self._fold(pod, pid, out)
+        for engine, pid in self._engines.ids.items():
+            self._fold(engine, pid, out)
         return out
 
-    def _log_refusal(self, pod: str) -> None:
+    def _log_refusal(self, engine: str) -> None:
         detail = self._core.last_refusal
         reason = detail[0] if detail else "refused"
         now = time.monotonic()
-        last = self._refusal_logged.get((pod, reason))
+        last = self._refusal_logged.get((engine, reason))
         if last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
-            self._refusal_logged[(pod, reason)] = now
-            log.warning("pod %s: refused %s event(s) (%s; next such message in %.0f s at "
-                        "the earliest; counts in counters().refused_events)", pod, reason,
+            self._refusal_logged[(engine, reason)] = now
+            log.warning("engine %s: refused %s event(s) (%s; next such message in %.0f s at "
+                        "the earliest; counts in counters().refused_events)", engine, reason,
                         detail[1] if detail else reason, _REFUSAL_LOG_INTERVAL_S)
 
-    def drop_pod(self, pod: str) -> None:
-        """Forget everything ``pod`` announced (publisher restart, unrecoverable gap,
-        unsubscribe). Its counters are kept. Unknown pods are ignored."""
+    def drop_engine(self, engine: str) -> None:
+        """Forget everything ``engine`` announced (publisher restart, unrecoverable gap,
+        unsubscribe). Its counters are kept. Unknown engines are ignored."""
         with self.lock:
-            pid = self._pods.get(pod)
+            pid = self._engines.get(engine)
             if pid is not None:
-                self._fold(pod, pid, self._counts)  # its counters outlive its id
+                self._fold(engine, pid, self._counts)  # its counters outlive its id
                 self._core.reset_counters(pid)
-                self._pods.remove(pod)
+                self._engines.remove(engine)
                 self._core.clear_pod(pid)
                 self._prefix_cache.clear()
 
@@ -225,7 +229,7 @@ class PrefixIndex:
         *,
         blocking: bool = True,
     ) -> LookupResult:
-        """Per pod, how many leading tokens of the prompt are cached (any tier, and per
+        """Per engine, how many leading tokens of the prompt are cached (any tier, and per
         tier), best first. ``model=None`` searches every model's namespaces.
 
         ``token_ids``: a list of ints, or an int64 / int32 / uint32 buffer (numpy
@@ -236,13 +240,13 @@ class PrefixIndex:
             raise IndexBusy("index busy")
         try:
             spaces = self._spaces(model, lora_name)
-            pods_out = self._core.lookup(token_ids, spaces, self._pods.names,
-                                         self._pods.rank(), PodMatch) if spaces else []
+            engines_out = self._core.lookup(token_ids, spaces, self._engines.names,
+                                            self._engines.rank(), EngineMatch) if spaces else []
         finally:
             self.lock.release()
-        block_size = pods_out[0].block_size if pods_out else (spaces[0][1] if spaces else 0)
+        block_size = engines_out[0].block_size if engines_out else (spaces[0][1] if spaces else 0)
         return LookupResult(prompt_tokens=len(token_ids), block_size=block_size,
-                            pods=pods_out, model=model, lora_name=lora_name)
+                            engines=engines_out, model=model, lora_name=lora_name)
 
     def _spaces(self, model: str | None, lora: str | None) -> list[tuple[int, int]]:
         """(ns id, block size) of the namespaces a lookup searches, in creation order.
@@ -262,37 +266,38 @@ class PrefixIndex:
     # ------------------------------------------------------------------ queries
 
     def blocks_by_engine_hash(self, block_hash: BlockHash) -> BlockInfo:
-        """Where an engine block hash lives: every pod holding it (with per-tier reference
+        """Where an engine block hash lives: every engine holding it (with per-tier reference
         counts) and, when known, its namespace, depth and (for blocks within a
-        sequence's first 64 tokens) its tokens. Costs one probe per pod."""
+        sequence's first 64 tokens) its tokens. Costs one probe per engine."""
         return queries.blocks_by_engine_hash(self, block_hash)
 
     def top_prefixes(self, model: str | None = None, limit: int = 10) -> list[PrefixInfo]:
-        """The most widely cached prefixes: ordered by number of pods holding them, then
+        """The most widely cached prefixes: ordered by number of engines holding them, then
         length. A prefix is reported at its longest extent with that many holders; its
         shorter sub-prefixes are not repeated. Reads the index in short chunks (the lock
         is never held for long) and caches the answer for a second."""
         return queries.top_prefixes(self, model, limit)
 
-    def engine_hashes(self, pod: str) -> dict[str, set[BlockHash]]:
-        """Engine hashes ``pod`` holds now, per tier, as the engine sent them. For
+    def engine_hashes(self, engine: str) -> dict[str, set[BlockHash]]:
+        """Engine hashes ``engine`` holds now, per tier, as the engine sent them. For
         exactness checks against an engine's true cache contents (read in chunks: call
         it on a quiet index for an exact snapshot)."""
-        return queries.engine_hashes(self, pod)
+        return queries.engine_hashes(self, engine)
 
-    def pod_block_counts(self, pod: str) -> dict[str, int]:
-        """Resident blocks of ``pod`` per tier (medium name); {} for an unknown pod."""
+    def engine_block_counts(self, engine: str) -> dict[str, int]:
+        """Resident blocks of ``engine`` per tier (e.g. "GPU", "CPU"); {} for an unknown
+        engine."""
         with self.lock:
-            pid = self._pods.get(pod)
+            pid = self._engines.get(engine)
             if pid is None:
                 return {}
             tn = self._core.tier_name
             return {tn[t]: n for t, n in enumerate(self._core.pod_counts(pid)) if n}
 
-    def pods(self) -> list[str]:
-        """Pods with state in the index (fed at least once and not dropped)."""
+    def engines(self) -> list[str]:
+        """Engines with state in the index (fed at least once and not dropped)."""
         with self.lock:
-            return sorted(self._pods.ids)
+            return sorted(self._engines.ids)
 
     def counters(self) -> IndexCounters:
         """Snapshot of the counters and sizes."""
@@ -300,7 +305,7 @@ class PrefixIndex:
             c = self._all_counts()
             return IndexCounters(
                 applied=[
-                    EventCount(pod=p, tier=t, type=k, events=v[0], blocks=v[1])
+                    EventCount(engine=p, tier=t, type=k, events=v[0], blocks=v[1])
                     for (p, t, k), v in sorted(c.applied.items())
                 ],
                 unknown_removals=c.unknown,
@@ -321,7 +326,7 @@ class PrefixIndex:
     # ------------------------------------------------------------------ state
 
     def export_state(self) -> bytes:
-        """The whole index (tables, pods, counters) as bytes, for snapshots."""
+        """The whole index (tables, engines, counters) as bytes, for snapshots."""
         return state.export_state(self)
 
     def import_state(self, data: bytes) -> None:

@@ -1,5 +1,5 @@
 """Inspection queries of :class:`~kvevents.index.PrefixIndex` (dashboards, debugging):
-where an engine hash lives, a pod's blocks, the most shared prefixes.
+where an engine hash lives, an engine's blocks, the most shared prefixes.
 
 Readers never stall the writer: queries whose cost grows with the index read it in
 chunks of ``CHUNK`` slots or table buckets, taking the index lock once per chunk (tens
@@ -43,7 +43,7 @@ def blocks_by_engine_hash(index: PrefixIndex, block_hash: BlockHash) -> BlockInf
         tn = core.tier_name
         holders: list[BlockHolder] = []
         best = None  # (depth, slot)
-        for pid, name in enumerate(index._pods.names):
+        for pid, name in enumerate(index._engines.names):
             if name is None:
                 continue
             s = core.slot_of_hash(pid, h)
@@ -51,11 +51,11 @@ def blocks_by_engine_hash(index: PrefixIndex, block_hash: BlockHash) -> BlockInf
                 continue
             tiers = {tn[t]: c for t in range(len(tn)) if (c := core.refcount(s, pid, t))}
             if tiers:
-                holders.append(BlockHolder(pod=name, tiers=tiers))
+                holders.append(BlockHolder(engine=name, tiers=tiers))
                 d = core.slot_info(s)[2]
                 if best is None or d > best[0]:
                     best = (d, s)
-        info = BlockInfo(engine_hash=block_hash, holders=sorted(holders, key=lambda x: x.pod))
+        info = BlockInfo(engine_hash=block_hash, holders=sorted(holders, key=lambda x: x.engine))
         if best is not None:
             _key, _parent, depth, ns, toks = core.slot_info(best[1])
             info.model, info.block_size, info.lora_name = core.ns_info[ns]
@@ -64,12 +64,12 @@ def blocks_by_engine_hash(index: PrefixIndex, block_hash: BlockHash) -> BlockInf
     return info
 
 
-def engine_hashes(index: PrefixIndex, pod: str) -> dict[str, set[BlockHash]]:
+def engine_hashes(index: PrefixIndex, engine: str) -> dict[str, set[BlockHash]]:
     out: dict[str, set[BlockHash]] = {}
     start = 0
     while start >= 0:
         with index.lock:
-            pid = index._pods.get(pod)
+            pid = index._engines.get(engine)
             if pid is None:
                 return {}
             core = index._core
@@ -107,7 +107,7 @@ def top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> list[Pref
 
 def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> list[PrefixInfo]:
     """Two chunked passes over the slots (mark the parents a child dominates: held by
-    as many pods, so never the longest extent; then keep the best undominated
+    as many engines, so never the longest extent; then keep the best undominated
     candidates), then candidates in score order, each checked alive and walked to its
     root under a short lock."""
     core = index._core
@@ -142,8 +142,8 @@ def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> lis
             if not core.slot_alive(slot, skey):
                 continue
             _k, parent, depth, ns, _t = core.slot_info(slot)
-            pods = sorted(index._pods.names[p] for p in core.holders(slot)
-                          if index._pods.names[p] is not None)
+            engines = sorted(index._engines.names[p] for p in core.holders(slot)
+                             if index._engines.names[p] is not None)
             mdl, bs, lora = core.ns_info[ns]
         # Walk to the root (WALK_STEPS blocks per lock hold): marks the sub-prefixes,
         # collects the leading tokens. A block freed meanwhile ends the walk.
@@ -173,6 +173,6 @@ def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> lis
             lead.extend(toks)
         out.append(PrefixInfo(
             tokens=depth * bs, blocks=depth, block_size=bs, leading_tokens=lead[:LEADING_TOKENS],
-            pods=pods, model=mdl, lora_name=lora,
+            engines=engines, model=mdl, lora_name=lora,
         ))
     return out

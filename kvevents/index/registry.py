@@ -1,6 +1,6 @@
-"""Pod names <-> the small integer ids the compiled core uses (a pod's bit in the
-residency masks). Ids of dropped pods are reused, so the masks stay as narrow as the
-number of pods followed at once.
+"""Engine names <-> the small integer ids the compiled core uses (an engine's bit in the
+residency masks). Ids of dropped engines are reused, so the masks stay as narrow as the
+number of engines followed at once.
 
 Not thread-safe; owned and locked by :class:`~kvevents.index.PrefixIndex`.
 """
@@ -11,13 +11,13 @@ from array import array
 
 from ._core import digest64
 
-#: Pods followed at once (one bit each in every block's mask).
-MAX_PODS = 65536
+#: Engines followed at once (one bit each in every block's mask).
+MAX_ENGINES = 65536
 
 
-class PodRegistry:
+class EngineRegistry:
     """name <-> id, plus each id's stable hash salt (for its orphan and token-less
-    keys, which must not collide across pods)."""
+    keys, which must not collide across engines)."""
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
@@ -29,17 +29,19 @@ class PodRegistry:
         return self.ids.get(name)
 
     def add(self, name: str) -> tuple[int, int]:
-        """A new id for ``name``: (id, salt). Raises ``OverflowError`` past MAX_PODS."""
+        """A new id for ``name``: (id, salt). Raises ``OverflowError`` past MAX_ENGINES."""
         if self._free:
             pid = self._free.pop()
             self.names[pid] = name
         else:
             pid = len(self.names)
-            if pid >= MAX_PODS:
-                raise OverflowError(f"more than {MAX_PODS} pods")
+            if pid >= MAX_ENGINES:
+                raise OverflowError(f"more than {MAX_ENGINES} engines")
             self.names.append(name)
         self.ids[name] = pid
         self._rank = None
+        # The salt's domain string predates the engine naming: it is part of every
+        # stored entry's key (and of snapshots), so it stays as it is.
         return pid, digest64("kvevents-pod", name)
 
     def remove(self, name: str) -> int | None:
@@ -51,8 +53,8 @@ class PodRegistry:
         return pid
 
     def rank(self) -> array:
-        """Per pod id, its position among the pods sorted by name (int32; recomputed
-        only after pods come or go)."""
+        """Per engine id, its position among the engines sorted by name (int32; recomputed
+        only after engines come or go)."""
         if self._rank is None:
             live = sorted((n, pid) for pid, n in enumerate(self.names) if n is not None)
             rank = array("i", [0]) * max(len(self.names), 1)
@@ -65,7 +67,7 @@ class PodRegistry:
         return list(self.names)
 
     @classmethod
-    def restore(cls, names: list[str | None]) -> PodRegistry:
+    def restore(cls, names: list[str | None]) -> EngineRegistry:
         reg = cls()
         reg.names = list(names)
         for pid, name in enumerate(names):
@@ -73,7 +75,7 @@ class PodRegistry:
                 reg._free.append(pid)
             else:
                 if name in reg.ids:
-                    raise ValueError(f"pod {name!r} appears twice")
+                    raise ValueError(f"engine {name!r} appears twice")
                 reg.ids[name] = pid
         reg._free.reverse()
         return reg

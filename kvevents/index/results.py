@@ -9,16 +9,16 @@ import msgspec
 from ..schema import BlockHash
 
 
-class PodMatch(msgspec.Struct, gc=False):
-    """How much of a prompt one pod holds.
+class EngineMatch(msgspec.Struct, gc=False):
+    """How much of a prompt one engine holds.
 
-    ``tokens``: leading prompt tokens whose blocks the pod holds in *some* tier (a block
-    counts when any tier has it). ``tiers``: per tier (medium name, e.g. "GPU", "CPU"),
+    ``tokens``: leading prompt tokens whose blocks the engine holds in *some* tier (a block
+    counts when any tier has it). ``tiers``: per tier (vLLM's ``medium``, e.g. "GPU", "CPU"),
     that tier's own leading run in tokens; only tiers with a run > 0 appear.
     ``block_size``: the block size of the namespace that matched.
     """
 
-    pod: str
+    engine: str
     tokens: int
     tiers: dict[str, int]
     block_size: int
@@ -27,7 +27,7 @@ class PodMatch(msgspec.Struct, gc=False):
 class LookupResult(msgspec.Struct, gc=False):
     """Answer of :meth:`PrefixIndex.lookup`.
 
-    ``pods``: pods with ``tokens > 0``, best first (tokens descending, then pod name).
+    ``engines``: engines with ``tokens > 0``, best first (tokens descending, then engine name).
     ``prompt_tokens``: length of the prompt looked up. ``block_size``: block size of the
     best match (or of the first namespace tried when nothing matched; 0 when the index
     knows no namespace for the model). ``model`` / ``lora_name``: as asked.
@@ -35,7 +35,7 @@ class LookupResult(msgspec.Struct, gc=False):
 
     prompt_tokens: int
     block_size: int
-    pods: list[PodMatch]
+    engines: list[EngineMatch]
     model: str | None = None
     lora_name: str | None = None
 
@@ -45,7 +45,7 @@ class ApplyStats(msgspec.Struct, gc=False):
 
     ``stored_blocks`` / ``removed_blocks``: block entries named by applied BlockStored /
     BlockRemoved events (removals include unknown ones). ``unknown_removals``: removals
-    of (pod, tier, hash) entries that were not present. ``orphan_blocks``: stored blocks
+    of (engine, tier, hash) entries that were not present. ``orphan_blocks``: stored blocks
     that could not be placed on a chain from the sequence start (unknown parent, or a
     token-less event with a hash never seen with tokens). ``ignored_events``: events not
     feeding prefix matching (non-full-attention groups of hybrid models).
@@ -62,16 +62,16 @@ class ApplyStats(msgspec.Struct, gc=False):
 
 
 class BlockHolder(msgspec.Struct, gc=False):
-    """One pod holding an engine block: its tiers and reference count per tier."""
+    """One engine holding an engine block: its tiers and reference count per tier."""
 
-    pod: str
+    engine: str
     tiers: dict[str, int]
 
 
 class BlockInfo(msgspec.Struct, gc=False):
     """Answer of :meth:`PrefixIndex.blocks_by_engine_hash`.
 
-    ``holders``: pods that hold the block now (empty when nobody does).
+    ``holders``: engines that hold the block now (empty when nobody does).
     ``tokens``: the block's tokens when the index keeps them: for blocks within a
     sequence's first 64 tokens announced by a self-describing event; else None.
     ``depth``: 1-based position of the block in its sequence; 0 when unknown (orphan or
@@ -91,22 +91,22 @@ class PrefixInfo(msgspec.Struct, gc=False):
     """One widely cached prefix (answer item of :meth:`PrefixIndex.top_prefixes`).
 
     ``tokens``: prefix length in tokens (``blocks * block_size``); ``leading_tokens``:
-    up to the first 64 token ids; ``pods``: pods holding the whole prefix in some tier.
+    up to the first 64 token ids; ``engines``: engines holding the whole prefix in some tier.
     """
 
     tokens: int
     blocks: int
     block_size: int
     leading_tokens: list[int]
-    pods: list[str]
+    engines: list[str]
     model: str | None = None
     lora_name: str | None = None
 
 
 class EventCount(msgspec.Struct, gc=False):
-    """Applied events and their block entries for one (pod, tier, event type)."""
+    """Applied events and their block entries for one (engine, tier, event type)."""
 
-    pod: str
+    engine: str
     tier: str
     type: str
     events: int
@@ -114,11 +114,11 @@ class EventCount(msgspec.Struct, gc=False):
 
 
 class IndexCounters(msgspec.Struct, gc=False):
-    """Monotonic counters since the index was created (kept across pod drops), plus
-    current sizes. Per-pod dicts are keyed by pod name. ``applied`` has one row per
-    (pod, tier, event type); AllBlocksCleared rows have tier "*". ``refused_events``:
-    per pod, events refused by reason (see ``kvevents.index.REFUSAL_REASONS``).
-    ``namespaces`` / ``tiers``: namespaces and media known (both capped)."""
+    """Monotonic counters since the index was created (kept across engine drops), plus
+    current sizes. Per-engine dicts are keyed by engine name. ``applied`` has one row per
+    (engine, tier, event type); AllBlocksCleared rows have tier "*". ``refused_events``:
+    per engine, events refused by reason (see ``kvevents.index.REFUSAL_REASONS``).
+    ``namespaces`` / ``tiers``: namespaces and tiers known (both capped)."""
 
     applied: list[EventCount]
     unknown_removals: dict[str, int]

@@ -1,7 +1,7 @@
 """Export and import of a whole :class:`~kvevents.index.PrefixIndex` (for snapshots).
 
 The state is one msgpack document: a format version, the compiled core's tables as
-raw little-endian arrays, the pod registry and the counters by pod name. Import builds
+raw little-endian arrays, the engine registry and the counters by engine name. Import builds
 a complete new core first and validates it (sizes, ranges, table shapes) before
 swapping it in under the lock, so a bad document raises ``ValueError`` and leaves the
 index as it was. Integrity against bit rot (checksums) and atomic files are the
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ._core import Core
-from .registry import PodRegistry
+from .registry import EngineRegistry
 
 if TYPE_CHECKING:
     from .index import PrefixIndex
@@ -32,8 +32,8 @@ def export_state(index: PrefixIndex) -> bytes:
             "version": FORMAT_VERSION,
             "limits": list(index._limits),
             "core": index._core.export_state(),
-            "pods": index._pods.export(),
-            # Counters by name, live pods' included (the core starts at 0 on import).
+            "engines": index._engines.export(),
+            # Counters by name, live engines' included (the core starts at 0 on import).
             "applied": [[p, t, k, c[0], c[1]] for (p, t, k), c in counts.applied.items()],
             "unknown": counts.unknown,
             "orphans": counts.orphans,
@@ -53,11 +53,12 @@ def import_state(index: PrefixIndex, data: bytes) -> None:
                              f"expected {FORMAT_VERSION}")
         core = Core(*index._limits)
         core.import_state(doc["core"])
-        pods = PodRegistry.restore(doc["pods"])
-        for pid, name in enumerate(pods.names):
+        # "pods": the key of states written before engines were called engines.
+        engines = EngineRegistry.restore(doc["engines"] if "engines" in doc else doc["pods"])
+        for pid, name in enumerate(engines.names):
             if name is not None and (pid >= len(core.pod_orig) or core.pod_orig[pid] is None
                                      or pid >= 64 * core.W):
-                raise ValueError(f"index state: pod {name!r} has no tables")
+                raise ValueError(f"index state: engine {name!r} has no tables")
         applied: dict[tuple[str, str, str], list[int]] = {
             (str(p), str(t), str(k)): [int(e), int(b)] for p, t, k, e, b in doc["applied"]
         }
@@ -72,5 +73,5 @@ def import_state(index: PrefixIndex, data: bytes) -> None:
     with index.lock:
         index._reset()
         index._core = core
-        index._pods = pods
+        index._engines = engines
         index._counts = _Counts(applied, *counters, refused)

@@ -1,11 +1,11 @@
-"""How many pods the aggregator can follow with the sockets and files it may open.
+"""How many engines the aggregator can follow with the sockets and files it may open.
 
-Every followed pod costs ZeroMQ sockets (the live SUB, the two PAIR ends of its socket
+Every followed engine costs ZeroMQ sockets (the live SUB, the two PAIR ends of its socket
 monitor, one replay DEALER) and file descriptors (one mailbox per socket plus one TCP
 connection each for SUB and DEALER). Running out of either used to kill the subscriber
 thread, so the budget is planned once at start: the soft open-file limit is raised
-toward the hard one where the OS allows, the ZeroMQ context is sized for the pods, and
-``max_pods`` is what both allow with a reserve left for HTTP clients and the process.
+toward the hard one where the OS allows, the ZeroMQ context is sized for the engines, and
+``max_engines`` is what both allow with a reserve left for HTTP clients and the process.
 
 Failure: nothing here raises; a limit that cannot be raised is reported in the plan.
 """
@@ -19,8 +19,8 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-SOCKETS_PER_POD = 4  # SUB + monitor PAIR pair + replay DEALER
-FDS_PER_POD = 6  # 4 socket mailboxes + SUB and DEALER TCP connections
+SOCKETS_PER_ENGINE = 4  # SUB + monitor PAIR pair + replay DEALER
+FDS_PER_ENGINE = 6  # 4 socket mailboxes + SUB and DEALER TCP connections
 RESERVE_FDS = 256  # HTTP clients, log files, the interpreter's own
 RESERVE_SOCKETS = 32
 # Never plan for more than this many descriptors even if the hard limit is "unlimited".
@@ -29,9 +29,9 @@ _FD_CEILING = 1 << 20
 
 @dataclass(frozen=True)
 class Budget:
-    """The plan: ``max_pods`` and what it was derived from."""
+    """The plan: ``max_engines`` and what it was derived from."""
 
-    max_pods: int
+    max_engines: int
     max_sockets: int
     nofile_soft: int
     nofile_hard: int
@@ -61,18 +61,18 @@ def raise_nofile_limit() -> tuple[int, int, int | None]:
     return soft, hard, None
 
 
-def plan_budget(max_pods: int | None = None) -> Budget:
-    """Raise the file limit and work out how many pods fit. ``max_pods`` (a setting)
+def plan_budget(max_engines: int | None = None) -> Budget:
+    """Raise the file limit and work out how many engines fit. ``max_engines`` (a setting)
     caps the result further; it never raises it above what the files allow."""
     soft, hard, before = raise_nofile_limit()
-    by_files = max(0, (soft - RESERVE_FDS) // FDS_PER_POD)
-    by_sockets = max(0, (_socket_limit() - RESERVE_SOCKETS) // SOCKETS_PER_POD)
+    by_files = max(0, (soft - RESERVE_FDS) // FDS_PER_ENGINE)
+    by_sockets = max(0, (_socket_limit() - RESERVE_SOCKETS) // SOCKETS_PER_ENGINE)
     fit = min(by_files, by_sockets)
-    if max_pods is not None:
-        fit = min(fit, max_pods)
+    if max_engines is not None:
+        fit = min(fit, max_engines)
     return Budget(
-        max_pods=fit,
-        max_sockets=fit * SOCKETS_PER_POD + RESERVE_SOCKETS,
+        max_engines=fit,
+        max_sockets=fit * SOCKETS_PER_ENGINE + RESERVE_SOCKETS,
         nofile_soft=soft, nofile_hard=hard, raised_from=before,
     )
 

@@ -1,5 +1,5 @@
 """PrefixIndex checked against a brute-force model (plain dicts and sets) on random
-workloads: re-announced overlapping chunks, unknown removals, clears, pod drops, int
+workloads: re-announced overlapping chunks, unknown removals, clears, engine drops, int
 and bytes hashes, token-less CPU events, LoRA / extra-key namespacing, two models with
 different block sizes."""
 
@@ -29,7 +29,7 @@ RAW_DECODER = BatchDecoder(raw_tokens=True)
 
 MODELS = {"m1": 4, "m2": 8}  # model -> block size
 LORAS = [None, "lora-a"]
-PODS = ["p0", "p1", "p2"]
+ENGINES = ["p0", "p1", "p2"]
 TIERS = ["GPU", "CPU"]
 
 
@@ -42,62 +42,62 @@ def engine_hash(seed: int, ident: tuple, as_bytes: bool):
 class Model:
     """The reference: content identities are tuples, counts keyed by content."""
 
-    hmap: dict[str, dict] = field(default_factory=dict)  # pod -> hash -> ident
-    counts: dict[tuple, int] = field(default_factory=dict)  # (pod, tier, ident) -> n
+    hmap: dict[str, dict] = field(default_factory=dict)  # engine -> hash -> ident
+    counts: dict[tuple, int] = field(default_factory=dict)  # (engine, tier, ident) -> n
     unknown: int = 0
     orphans: int = 0
 
-    def held(self, pod, ident):
-        return any(self.counts.get((pod, t, ident), 0) > 0 for t in TIERS)
+    def held(self, engine, ident):
+        return any(self.counts.get((engine, t, ident), 0) > 0 for t in TIERS)
 
-    def store(self, pod, tier, hashes, parent, blocks, root, tokenless):
-        hm = self.hmap.setdefault(pod, {})
+    def store(self, engine, tier, hashes, parent, blocks, root, tokenless):
+        hm = self.hmap.setdefault(engine, {})
         if tokenless:
             for h in hashes:
                 ident = hm.get(h)
                 if ident is None:
-                    ident = ("tokenless", pod, h)
+                    ident = ("tokenless", engine, h)
                     self.orphans += 1
                 hm[h] = ident
-                self.counts[(pod, tier, ident)] = self.counts.get((pod, tier, ident), 0) + 1
+                self.counts[(engine, tier, ident)] = self.counts.get((engine, tier, ident), 0) + 1
             return
         if parent is None:
             cur = root
         elif parent in hm:
             cur = hm[parent]
         else:
-            cur = ("orphan", pod, parent, root)
+            cur = ("orphan", engine, parent, root)
         verified = cur[0] == "root" or cur[0] == "chain"
         for h, blk in zip(hashes, blocks):
             cur = ("chain" if verified else "off", cur, blk)
             if not verified:
                 self.orphans += 1
             hm[h] = cur
-            self.counts[(pod, tier, cur)] = self.counts.get((pod, tier, cur), 0) + 1
+            self.counts[(engine, tier, cur)] = self.counts.get((engine, tier, cur), 0) + 1
 
-    def remove(self, pod, tier, hashes):
-        hm = self.hmap.setdefault(pod, {})
+    def remove(self, engine, tier, hashes):
+        hm = self.hmap.setdefault(engine, {})
         known = []
         for h in hashes:
             ident = hm.get(h)
-            if ident is None or self.counts.get((pod, tier, ident), 0) == 0:
+            if ident is None or self.counts.get((engine, tier, ident), 0) == 0:
                 self.unknown += 1
                 continue
-            self.counts[(pod, tier, ident)] -= 1
+            self.counts[(engine, tier, ident)] -= 1
             known.append(h)
         for h in known:
-            if h in hm and not self.held(pod, hm[h]):
+            if h in hm and not self.held(engine, hm[h]):
                 del hm[h]
 
-    def clear(self, pod):
-        self.hmap.pop(pod, None)
-        for k in [k for k in self.counts if k[0] == pod]:
+    def clear(self, engine):
+        self.hmap.pop(engine, None)
+        for k in [k for k in self.counts if k[0] == engine]:
             del self.counts[k]
 
     def lookup(self, tokens, model, lora):
         bs = MODELS[model]
         out = {}
-        for pod in PODS:
+        for engine in ENGINES:
             cur = ("root", model, bs, lora)
             runs = {"*": None, "GPU": None, "CPU": None}
             for i in range(len(tokens) // bs):
@@ -105,27 +105,27 @@ class Model:
                 for t in runs:
                     if runs[t] is not None:
                         continue
-                    ok = self.held(pod, cur) if t == "*" else self.counts.get((pod, t, cur), 0) > 0
+                    ok = self.held(engine, cur) if t == "*" else self.counts.get((engine, t, cur), 0) > 0
                     if not ok:
                         runs[t] = i
             n = len(tokens) // bs
             runs = {t: (n if v is None else v) * bs for t, v in runs.items()}
             if runs["*"]:
-                out[pod] = (runs["*"], {t: v for t, v in runs.items() if t != "*" and v})
+                out[engine] = (runs["*"], {t: v for t, v in runs.items() if t != "*" and v})
         return out
 
-    def engine_hashes(self, pod):
+    def engine_hashes(self, engine):
         out: dict[str, set] = {}
-        for h, ident in self.hmap.get(pod, {}).items():
+        for h, ident in self.hmap.get(engine, {}).items():
             for t in TIERS:
-                if self.counts.get((pod, t, ident), 0) > 0:
+                if self.counts.get((engine, t, ident), 0) > 0:
                     out.setdefault(t, set()).add(h)
         return out
 
-    def block_counts(self, pod):
+    def block_counts(self, engine):
         out = {}
         for (p, t, _), n in self.counts.items():
-            if p == pod and n > 0:
+            if p == engine and n > 0:
                 out[t] = out.get(t, 0) + 1
         return out
 
@@ -171,19 +171,19 @@ def blocks_of(seq: Seq):
         min_size=2, max_size=6,
     ),
     ops=st.lists(op_strategy, min_size=1, max_size=60),
-    bytes_pods=st.sets(st.integers(0, 2)),
+    bytes_engines=st.sets(st.integers(0, 2)),
     shared_seed=st.booleans(),
     batch_split=st.integers(1, 4),
 )
-def test_matches_model(shared, tails, ops, bytes_pods, shared_seed, batch_split):
-    run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split)
-    run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split, raw_tokens=True)
+def test_matches_model(shared, tails, ops, bytes_engines, shared_seed, batch_split):
+    run_workload(shared, tails, ops, bytes_engines, shared_seed, batch_split)
+    run_workload(shared, tails, ops, bytes_engines, shared_seed, batch_split, raw_tokens=True)
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_matches_model_large_random(seed):
     """Bigger store-heavy workloads than hypothesis tends to draw, so that lookups
-    match long runs on several pods and tiers (asserted below)."""
+    match long runs on several engines and tiers (asserted below)."""
     rng = random.Random(seed)
     shared = [rng.randrange(4) for _ in range(rng.randrange(8, 40))]
     tails = [
@@ -193,18 +193,18 @@ def test_matches_model_large_random(seed):
     ops: list[tuple] = []
     for _ in range(rng.randrange(50, 300)):
         r = rng.random()
-        pod = rng.randrange(3)
+        engine = rng.randrange(3)
         if r < 0.6:
-            ops.append(("store", pod, rng.randrange(2), rng.randrange(6), rng.choice([0, 0, 0, 1, 2, 4]),
+            ops.append(("store", engine, rng.randrange(2), rng.randrange(6), rng.choice([0, 0, 0, 1, 2, 4]),
                         rng.randrange(1, 10), rng.random() < 0.5, rng.random() < 0.3))
         elif r < 0.9:
-            ops.append(("remove", pod, rng.randrange(2), rng.randrange(6), rng.randrange(8), rng.randrange(1, 6)))
+            ops.append(("remove", engine, rng.randrange(2), rng.randrange(6), rng.randrange(8), rng.randrange(1, 6)))
         elif r < 0.95:
-            ops.append(("bogus_remove", pod, rng.randrange(2), rng.randrange(10**6)))
+            ops.append(("bogus_remove", engine, rng.randrange(2), rng.randrange(10**6)))
         elif r < 0.98:
-            ops.append(("clear", pod))
+            ops.append(("clear", engine))
         else:
-            ops.append(("drop", pod))
+            ops.append(("drop", engine))
     matched = run_workload(shared, tails, ops, set(rng.sample(range(3), rng.randrange(3))),
                            rng.random() < 0.5, rng.randrange(1, 6), raw_tokens=seed % 2 == 1)
     MATCHED.append(matched)
@@ -219,46 +219,46 @@ def test_large_random_workloads_matched_something():
         assert sum(1 for m in MATCHED if m) >= 20
 
 
-def run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split,
+def run_workload(shared, tails, ops, bytes_engines, shared_seed, batch_split,
                  raw_tokens: bool = False) -> int:
     """Apply ``ops`` to both the index and the model, then compare; returns how many
-    (prompt, pod) lookup matches there were."""
+    (prompt, engine) lookup matches there were."""
     seqs = [
         Seq(m, lo, shared + tail, extra=(k == 0)) for (m, lo, tail, k) in tails
     ]
     idx = PrefixIndex()
     ref = Model()
-    pending: dict[str, list] = {p: [] for p in PODS}
+    pending: dict[str, list] = {p: [] for p in ENGINES}
 
-    def hashes_for(pod_i, seq, start, n):
+    def hashes_for(engine_i, seq, start, n):
         blocks = blocks_of(seq)
-        seed = 0 if shared_seed else pod_i
+        seed = 0 if shared_seed else engine_i
         out = []
         for i in range(start, min(start + n, len(blocks))):
             ident = (seq.model, seq.lora, tuple(blocks[: i + 1]))
-            out.append(engine_hash(seed, ident, pod_i in bytes_pods))
+            out.append(engine_hash(seed, ident, engine_i in bytes_engines))
         parent = None
         if start > 0 and start <= len(blocks):
-            parent = engine_hash(seed, (seq.model, seq.lora, tuple(blocks[:start])), pod_i in bytes_pods)
+            parent = engine_hash(seed, (seq.model, seq.lora, tuple(blocks[:start])), engine_i in bytes_engines)
         return out, parent, blocks[start : start + n]
 
-    def flush(pod):
-        if pending[pod]:
-            batch = KVEventBatch(0.0, pending[pod])
+    def flush(engine):
+        if pending[engine]:
+            batch = KVEventBatch(0.0, pending[engine])
             if raw_tokens:
                 # The aggregator's path: bytes -> ingest decoder (raw token arrays).
                 batch = RAW_DECODER.decode(ENCODER.encode(batch)).batch
-            idx.apply_batch(pod, batch, model=pod_model.get(pod))
-            pending[pod] = []
+            idx.apply_batch(engine, batch, model=engine_model.get(engine))
+            pending[engine] = []
 
-    # Each pod serves one model (the one of the first sequence it touches).
-    pod_model: dict[str, str] = {}
+    # Each engine serves one model (the one of the first sequence it touches).
+    engine_model: dict[str, str] = {}
     for op in ops:
         kind = op[0]
-        pod = PODS[op[1]]
+        engine = ENGINES[op[1]]
         if kind in ("store", "remove"):
             seq = seqs[op[3] % len(seqs)]
-            if pod_model.setdefault(pod, seq.model) != seq.model:
+            if engine_model.setdefault(engine, seq.model) != seq.model:
                 continue
             tier = TIERS[op[2]]
             hashes, parent, blocks = hashes_for(op[1], seq, op[4], op[5])
@@ -277,39 +277,39 @@ def run_workload(shared, tails, ops, bytes_pods, shared_seed, batch_split,
                     extra_keys=None if tokenless else [b[1] for b in blocks],
                 )
                 root = ("root", seq.model, bs, seq.lora)
-                ref.store(pod, tier, hashes, parent, blocks, root, tokenless)
+                ref.store(engine, tier, hashes, parent, blocks, root, tokenless)
             else:
                 ev = BlockRemoved(block_hashes=hashes, medium=tier)
-                ref.remove(pod, tier, hashes)
-            pending[pod].append(ev)
+                ref.remove(engine, tier, hashes)
+            pending[engine].append(ev)
         elif kind == "bogus_remove":
-            pending[pod].append(BlockRemoved(block_hashes=[op[3]], medium=TIERS[op[2]]))
-            ref.remove(pod, TIERS[op[2]], [op[3]])
+            pending[engine].append(BlockRemoved(block_hashes=[op[3]], medium=TIERS[op[2]]))
+            ref.remove(engine, TIERS[op[2]], [op[3]])
         elif kind == "clear":
-            pending[pod].append(AllBlocksCleared())
-            ref.clear(pod)
+            pending[engine].append(AllBlocksCleared())
+            ref.clear(engine)
         elif kind == "drop":
-            flush(pod)
-            idx.drop_pod(pod)
-            ref.clear(pod)
-        if len(pending[pod]) >= batch_split:
-            flush(pod)
-    for pod in PODS:
-        flush(pod)
+            flush(engine)
+            idx.drop_engine(engine)
+            ref.clear(engine)
+        if len(pending[engine]) >= batch_split:
+            flush(engine)
+    for engine in ENGINES:
+        flush(engine)
 
     c = idx.counters()
     assert sum(c.unknown_removals.values()) == ref.unknown
     assert sum(c.orphan_blocks.values()) == ref.orphans
-    for pod in PODS:
-        assert idx.engine_hashes(pod) == ref.engine_hashes(pod), pod
-        assert idx.pod_block_counts(pod) == ref.block_counts(pod), pod
+    for engine in ENGINES:
+        assert idx.engine_hashes(engine) == ref.engine_hashes(engine), engine
+        assert idx.engine_block_counts(engine) == ref.block_counts(engine), engine
     prompts = [s for s in seqs] + [Seq(s.model, s.lora, s.tokens[:-3] + [1, 2, 3, 0, 1, 2, 3, 0], False) for s in seqs]
     matched = 0
     for s in prompts:
         got = idx.lookup(s.tokens, model=s.model, lora_name=s.lora)
         want = ref.lookup(s.tokens, s.model, s.lora)
-        assert {p.pod: (p.tokens, p.tiers) for p in got.pods} == want
-        assert [p.tokens for p in got.pods] == sorted((p.tokens for p in got.pods), reverse=True)
+        assert {p.engine: (p.tokens, p.tiers) for p in got.engines} == want
+        assert [p.tokens for p in got.engines] == sorted((p.tokens for p in got.engines), reverse=True)
         assert got.prompt_tokens == len(s.tokens)
-        matched += len(got.pods)
+        matched += len(got.engines)
     return matched

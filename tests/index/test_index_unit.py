@@ -14,7 +14,7 @@ from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 3000), max_size=200)), max_size=30))
 def test_tables_under_churn_match_a_set(ops):
-    """Store / remove one-block sequences with clustered (sequential) hashes: the pod
+    """Store / remove one-block sequences with clustered (sequential) hashes: the engine
     tables and the content table (linear probing, backward-shift deletion) must agree
     with a plain set through growth and heavy deletion."""
     idx = PrefixIndex()
@@ -29,11 +29,11 @@ def test_tables_under_churn_match_a_set(ops):
             evs = [BlockRemoved(block_hashes=keys, medium=None)] if keys else []
             ref.difference_update(keys)
         idx.apply_batch("a", KVEventBatch(0.0, evs))
-        assert idx.pod_block_counts("a") == ({"GPU": len(ref)} if ref else {})
+        assert idx.engine_block_counts("a") == ({"GPU": len(ref)} if ref else {})
     assert idx.engine_hashes("a") == ({"GPU": ref} if ref else {})
     assert idx.counters().distinct_blocks == len(ref)
     for k in list(ref)[:20]:
-        assert [p.tokens for p in idx.lookup([k, k + 1, k + 2, k + 3]).pods] == [4]
+        assert [p.tokens for p in idx.lookup([k, k + 1, k + 2, k + 3]).engines] == [4]
 
 
 def _stored(hashes, parent, tokens, bs=4, **kw):
@@ -53,30 +53,30 @@ def test_hybrid_groups_ignored_and_model_none_searches_all_models():
     assert s.ignored_events == 2
     idx.apply_batch("b", KVEventBatch(0.0, [_stored([9, 10], None, toks, bs=2)]), model="other")
     r = idx.lookup(toks)
-    assert [(p.pod, p.tokens, p.block_size) for p in r.pods] == [("a", 4, 4), ("b", 4, 2)]
-    assert [p.pod for p in idx.lookup(toks, model="m").pods] == ["a"]
-    assert idx.lookup(toks, model="nope").pods == []
-    assert idx.lookup(toks, model="m", lora_name="x").pods == []
+    assert [(p.engine, p.tokens, p.block_size) for p in r.engines] == [("a", 4, 4), ("b", 4, 2)]
+    assert [p.engine for p in idx.lookup(toks, model="m").engines] == ["a"]
+    assert idx.lookup(toks, model="nope").engines == []
+    assert idx.lookup(toks, model="m", lora_name="x").engines == []
 
 
 def test_queries_and_drop():
     idx = PrefixIndex()
     toks = list(range(12))
-    for pod in ("a", "b"):
-        idx.apply_batch(pod, KVEventBatch(0.0, [_stored([1, 2, 3], None, toks)]))
+    for engine in ("a", "b"):
+        idx.apply_batch(engine, KVEventBatch(0.0, [_stored([1, 2, 3], None, toks)]))
     idx.apply_batch("a", KVEventBatch(0.0, [_stored([4], 3, [7, 7, 7, 7], medium="CPU")]))
     info = idx.blocks_by_engine_hash(2)
-    assert [(h.pod, h.tiers) for h in info.holders] == [("a", {"GPU": 1}), ("b", {"GPU": 1})]
+    assert [(h.engine, h.tiers) for h in info.holders] == [("a", {"GPU": 1}), ("b", {"GPU": 1})]
     assert info.tokens == [4, 5, 6, 7] and info.depth == 2
     top = idx.top_prefixes()
-    assert (top[0].tokens, top[0].pods, top[0].leading_tokens) == (12, ["a", "b"], toks)
-    assert (top[1].tokens, top[1].pods) == (16, ["a"])
-    assert idx.pod_block_counts("a") == {"GPU": 3, "CPU": 1}
-    idx.drop_pod("a")
-    assert idx.pods() == ["b"] and idx.pod_block_counts("a") == {}
-    assert [p.pod for p in idx.lookup(toks).pods] == ["b"]
+    assert (top[0].tokens, top[0].engines, top[0].leading_tokens) == (12, ["a", "b"], toks)
+    assert (top[1].tokens, top[1].engines) == (16, ["a"])
+    assert idx.engine_block_counts("a") == {"GPU": 3, "CPU": 1}
+    idx.drop_engine("a")
+    assert idx.engines() == ["b"] and idx.engine_block_counts("a") == {}
+    assert [p.engine for p in idx.lookup(toks).engines] == ["b"]
     assert idx.blocks_by_engine_hash(4).holders == []
-    idx.drop_pod("b")
+    idx.drop_engine("b")
     assert idx.counters().distinct_blocks == 0
 
 
@@ -91,7 +91,7 @@ def test_lookup_token_inputs():
     want = [("a", 16)]
     for form in (toks, np.array(toks, dtype=np.int64), np.array(toks, dtype=np.int32),
                  np.array(toks, dtype=np.uint32), array.array("q", toks)):
-        assert [(p.pod, p.tokens) for p in idx.lookup(form).pods] == want
+        assert [(p.engine, p.tokens) for p in idx.lookup(form).engines] == want
     for bad in ([1, 2, 2**63, 4], [1.5, 2, 3, 4], ["x"] * 4):
         with pytest.raises(ValueError):
             idx.lookup(bad)
@@ -120,24 +120,33 @@ def test_bad_events_are_refused_whole_and_counted():
 
 
 def test_namespace_and_tier_caps():
-    """Namespaces (model, block size, LoRA) and media are capped: beyond a cap events
+    """Namespaces (model, block size, LoRA) and tiers are capped: beyond a cap events
     are refused and counted; nothing overflows and lookups stay on their namespace."""
-    idx = PrefixIndex(max_namespaces=8, max_namespaces_per_pod=4, max_tiers=3)
-    for i in range(10):  # ten LoRA names on one pod: 4 fit
+    idx = PrefixIndex(max_namespaces=8, max_namespaces_per_engine=4, max_tiers=3)
+    for i in range(10):  # ten LoRA names on one engine: 4 fit
         idx.apply_batch("a", KVEventBatch(0.0, [_stored([i], None, [1, 2, 3, 4], lora_name=f"l{i}")]))
     assert idx.counters().refused_events["a"] == {"namespace_limit": 6}
-    for pod in ("b", "c", "d"):  # total cap: 8
-        idx.apply_batch(pod, KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], lora_name=f"x{pod}"),
-                                                _stored([2], None, [1, 2, 3, 4], lora_name=f"y{pod}")]))
+    for engine in ("b", "c", "d"):  # total cap: 8
+        idx.apply_batch(engine, KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], lora_name=f"x{engine}"),
+                                                   _stored([2], None, [1, 2, 3, 4], lora_name=f"y{engine}")]))
     c = idx.counters()
     assert c.namespaces == 8 and c.refused_events["d"] == {"namespace_limit": 2}
-    assert [p.pod for p in idx.lookup([1, 2, 3, 4], lora_name="l2").pods] == ["a"]
-    assert idx.lookup([1, 2, 3, 4], lora_name="l7").pods == []
-    for medium in ("CPU", "DISK", "EXTERNAL", "X"):  # GPU + 2 more fit
-        idx.apply_batch("b", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], medium=medium,
+    assert [p.engine for p in idx.lookup([1, 2, 3, 4], lora_name="l2").engines] == ["a"]
+    assert idx.lookup([1, 2, 3, 4], lora_name="l7").engines == []
+    for tier in ("CPU", "DISK", "EXTERNAL", "X"):  # GPU + 2 more fit
+        idx.apply_batch("b", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], medium=tier,
                                                         lora_name="xb")]))
     assert idx.counters().refused_events["b"] == {"tier_limit": 2}
     assert idx.counters().tiers == ["GPU", "CPU", "DISK"]
+
+
+def test_old_per_pod_namespace_cap_keyword_still_applies():
+    """``max_namespaces_per_pod`` (documented before engines were called engines) is
+    still accepted and caps like ``max_namespaces_per_engine``."""
+    idx = PrefixIndex(max_namespaces_per_pod=2)
+    for i in range(5):
+        idx.apply_batch("a", KVEventBatch(0.0, [_stored([i], None, [1, 2, 3, 4], lora_name=f"l{i}")]))
+    assert idx.counters().refused_events["a"] == {"namespace_limit": 3}
 
 
 def test_sglang_shapes_signed_hashes_and_pinned_cpu():
@@ -151,25 +160,25 @@ def test_sglang_shapes_signed_hashes_and_pinned_cpu():
     ]))
     assert idx.engine_hashes("s") == {"GPU": {-5, 7}, "CPU": {-5}}
     r = idx.lookup(toks)
-    assert [(p.pod, p.tokens, p.tiers) for p in r.pods] == [("s", 8, {"GPU": 8, "CPU": 4})]
-    assert [h.pod for h in idx.blocks_by_engine_hash(-5).holders] == ["s"]
+    assert [(p.engine, p.tokens, p.tiers) for p in r.engines] == [("s", 8, {"GPU": 8, "CPU": 4})]
+    assert [h.engine for h in idx.blocks_by_engine_hash(-5).holders] == ["s"]
     idx.apply_batch("s", KVEventBatch(0.0, [BlockRemoved(block_hashes=[-5], medium="CPU_PINNED")]))
-    assert idx.pod_block_counts("s") == {"GPU": 2}
+    assert idx.engine_block_counts("s") == {"GPU": 2}
 
 
-def test_more_than_64_pods_and_id_reuse():
+def test_more_than_64_engines_and_id_reuse():
     idx = PrefixIndex()
     toks = list(range(8))
     for i in range(150):
         idx.apply_batch(f"p{i:03d}", KVEventBatch(0.0, [_stored([1, 2], None, toks)]))
     r = idx.lookup(toks)
-    assert len(r.pods) == 150 and r.pods[0].pod == "p000" and {p.tokens for p in r.pods} == {8}
+    assert len(r.engines) == 150 and r.engines[0].engine == "p000" and {p.tokens for p in r.engines} == {8}
     for i in range(0, 150, 2):
-        idx.drop_pod(f"p{i:03d}")
+        idx.drop_engine(f"p{i:03d}")
     idx.apply_batch("zz", KVEventBatch(0.0, [_stored([1], None, toks[:4])]))
     r = idx.lookup(toks)
-    assert [p.pod for p in r.pods][:3] == ["p001", "p003", "p005"] and r.pods[-1].pod == "zz"
-    assert r.pods[-1].tokens == 4 and len(r.pods) == 76
+    assert [p.engine for p in r.engines][:3] == ["p001", "p003", "p005"] and r.engines[-1].engine == "zz"
+    assert r.engines[-1].tokens == 4 and len(r.engines) == 76
 
 
 def test_hostile_block_size_costs_only_its_own_event():
@@ -184,7 +193,7 @@ def test_hostile_block_size_costs_only_its_own_event():
     assert grown < 4 * 262_144 * 8  # scratch buffers only; no per-block widening
     assert idx.blocks_by_engine_hash(1).tokens is None
     assert idx.blocks_by_engine_hash(2).tokens == list(range(16))
-    assert [p.tokens for p in idx.lookup(big).pods] == [262_144]
+    assert [p.tokens for p in idx.lookup(big).engines] == [262_144]
 
 
 def test_export_import_round_trip_and_corruption():
@@ -196,19 +205,19 @@ def test_export_import_round_trip_and_corruption():
     data = idx.export_state()
     fresh = PrefixIndex()
     fresh.import_state(data)
-    for pod in ("a", "b"):
-        assert fresh.engine_hashes(pod) == idx.engine_hashes(pod)
-        assert fresh.pod_block_counts(pod) == idx.pod_block_counts(pod)
+    for engine in ("a", "b"):
+        assert fresh.engine_hashes(engine) == idx.engine_hashes(engine)
+        assert fresh.engine_block_counts(engine) == idx.engine_block_counts(engine)
     assert fresh.lookup(toks + [9, 9, 9, 9]) == idx.lookup(toks + [9, 9, 9, 9])
     assert fresh.counters() == idx.counters()
     # Refcounts survive: b's block 1 was announced twice.
     fresh.apply_batch("b", KVEventBatch(0.0, [BlockRemoved(block_hashes=[1], medium=None)]))
-    assert fresh.pod_block_counts("b") == {"GPU": 2}
+    assert fresh.engine_block_counts("b") == {"GPU": 2}
     # A damaged document raises ValueError and leaves the index as it was.
     for bad in (data[: len(data) // 2], b"\\x00" + data[1:], b"", data.replace(b"version", b"versiom")):
         with pytest.raises(ValueError):
             fresh.import_state(bad)
-        assert fresh.pod_block_counts("a") == idx.pod_block_counts("a")
+        assert fresh.engine_block_counts("a") == idx.engine_block_counts("a")
 
 
 def test_lookup_nonblocking_raises_when_busy():
@@ -218,7 +227,7 @@ def test_lookup_nonblocking_raises_when_busy():
     with idx.lock:
         with pytest.raises(IndexBusy):
             idx.lookup([1, 2, 3, 4], blocking=False)
-    assert idx.lookup([1, 2, 3, 4], blocking=False).pods == []
+    assert idx.lookup([1, 2, 3, 4], blocking=False).engines == []
 
 
 def test_raw_token_arrays_every_msgpack_int_width():
@@ -235,7 +244,7 @@ def test_raw_token_arrays_every_msgpack_int_width():
     a, b = PrefixIndex(), PrefixIndex()
     a.apply_batch("p", KVEventBatch(0.0, [ev]))
     b.apply_batch("p", raw.decode(enc.encode(KVEventBatch(0.0, [ev]))).batch)
-    assert a.lookup(toks) == b.lookup(toks) and b.lookup(toks).pods[0].tokens == len(toks)
+    assert a.lookup(toks) == b.lookup(toks) and b.lookup(toks).engines[0].tokens == len(toks)
     bad = KVEventBatch(0.0, [_stored([50], None, [1, 2, 3, 2**63]),
                              _stored([51], None, [[1, 2], [3, 4], [5, 6], [7, 8]]),
                              _stored([52], None, [1, 2, 3, 4])])
@@ -254,7 +263,7 @@ def test_block_sizes_per_model_are_capped_so_lookups_stay_cheap():
     assert len(idx._spaces("m", None)) == 3
     # Another model has its own allowance.
     idx.apply_batch("b", KVEventBatch(0.0, [_stored([1], None, [1, 2, 3, 4], bs=4)]), model="n")
-    assert [p.pod for p in idx.lookup([1, 2, 3, 4], model="n").pods] == ["b"]
+    assert [p.engine for p in idx.lookup([1, 2, 3, 4], model="n").engines] == ["b"]
 
 
 def test_top_prefixes_cache_stays_bounded_whatever_is_asked():
