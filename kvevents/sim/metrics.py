@@ -195,7 +195,7 @@ class _EngineState(Collector):
         yield nbytes
         yield secs
         if e.connector is not None:
-            mgr = e.connector.scheduler.manager
+            mgr = e.connector.planner.manager
             yield self._gauge("kvevents_sim_cpu_pool_used_blocks",
                               "CPU pool slots in use (offloaded chunks)", mgr.num_used)
             yield self._gauge("kvevents_sim_cpu_pool_capacity_blocks",
