@@ -11,8 +11,9 @@ Each step, in the order of :class:`connector.base.OffloadCore`: schedule -> ``pl
 -> ``submit_stores`` -> sample one token per request that reached the end of its tokens
 (``on_request_finished`` for those done) -> ``collect`` / ``on_worker_report`` -> publish
 one ``KVEventBatch`` with this step's GPU events followed by the core's (``take_events``).
-This module never touches a tensor: it hands numpy index arrays to the connector side. Time is simulated (:class:`TimeModel`):
-``RequestResult.ttft`` is in simulated seconds, whatever the host's speed.
+This module never touches a tensor: it hands numpy index arrays to the connector side.
+Time is simulated (:class:`TimeModel`): ``RequestResult.ttft`` is in simulated seconds,
+whatever the host's speed.
 """
 
 from __future__ import annotations
