@@ -2,7 +2,7 @@
 
 For each KV shape, N scattered engine blocks are stored into a fresh CPU pool (rows
 allocated contiguously, as the offload manager does) and loaded back into scattered
-blocks, through the real handler (submit -> wait -> get_finished, so thread or stream
+blocks, through the real handler (submit -> wait -> take_finished, so thread or stream
 overhead is included). The baseline copies the same bytes with one contiguous
 ``Tensor.copy_`` per layer in the same run. Medians of ``--repeats`` runs. With CUDA the
 same is done device <-> pinned host. Target: >= 0.8x on CPU, >= 0.9x on a GPU.
@@ -89,12 +89,12 @@ def bench_tensors(engine: dict[str, torch.Tensor], pool: dict[str, torch.Tensor]
     def store() -> None:
         handler.submit(TransferJob(1, Direction.STORE, gpu_ids, pool_ids))
         handler.wait()
-        handler.get_finished()
+        handler.take_finished()
 
     def load() -> None:
         handler.submit(TransferJob(2, Direction.LOAD, pool_ids, back_ids))
         handler.wait()
-        handler.get_finished()
+        handler.take_finished()
 
     def plain_d2h() -> None:
         for k in engine:

@@ -1,27 +1,31 @@
 """Engine-side KV offloading connector (torch lives only in this package).
 
-One core, thin adapters::
+One core, one adapter::
 
-    core:  scheduler role  OffloadingConnectorScheduler ─ CPUOffloadingManager (LRU | ARC)
-                                                        └ OffloadEventsTracker ─► wire events
-           worker role     OffloadingConnectorWorker ─ CPU pool + TransferHandler (CUDA | CPU thread)
-    adapters:
-           connector.vllm        KVEventsOffloadingConnector: vLLM 0.32 loads it (two processes)
-           OffloadingConnector   both roles in one object, for a single-process engine
-                                 (kvevents.sim, the demo's and benchmarks' simulated engine)
-           MultiConnector        several single-process connectors behind one
+    core:  OffloadCore (base)     the interface, in engine-step order
+           CPUOffloadCore (core)  both roles in one object, for a single-process engine
+                                  (kvevents.sim drives it: the demo's, tests' and
+                                  benchmarks' simulated engine)
+             scheduler side  OffloadPlanner ─ CPUOffloadingManager (LRU | ARC)
+                                            └ OffloadEventsTracker ─► wire events
+             worker side     OffloadWorker ─ CPU pool + TransferHandler (CUDA | CPU thread)
+           MultiConnector (multi) several cores behind one OffloadCore
+    adapter:
+           connector.vllm  KVEventsOffloadingConnector: vLLM 0.32 loads it (two processes);
+                           the only place vLLM's method and type names appear
 
-Modules: ``config`` (OffloadConfig), ``kv_layout`` (KV tensor shapes), ``metadata``
-(the core's step plumbing), ``base`` (the single-process connector contract),
-``offload/`` (manager, policies), ``transfer/`` (copy handlers), ``events_tracker``,
-``scheduler`` / ``worker`` (the two roles of the core), ``offloading_connector``,
-``multi``, ``vllm`` (imports vLLM; nothing else here does).
+Modules: ``config`` (OffloadConfig), ``kv_layout`` (KV tensor shapes, allocation),
+``kv_pattern`` (deterministic KV writes and checks for a model-free engine), ``step``
+(what flows between the roles per step), ``base`` (OffloadCore), ``offload/`` (manager,
+policies), ``transfer/`` (copy handlers), ``events_tracker``, ``planner`` / ``worker``
+(the two roles of the core), ``core``, ``multi``, ``vllm`` (imports vLLM; nothing else
+here does).
 """
 
-from connector.base import KVConnector
+from connector.base import OffloadCore
 from connector.config import OffloadConfig
+from connector.core import CPUOffloadCore
 from connector.kv_layout import KVCacheLayout
 from connector.multi import MultiConnector
-from connector.offloading_connector import OffloadingConnector
 
-__all__ = ["KVCacheLayout", "KVConnector", "MultiConnector", "OffloadConfig", "OffloadingConnector"]
+__all__ = ["CPUOffloadCore", "KVCacheLayout", "MultiConnector", "OffloadConfig", "OffloadCore"]

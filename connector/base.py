@@ -1,20 +1,27 @@
-"""The contract a single-process engine drives (the simulated engine in ``kvevents.sim``).
+"""The core's own interface: what a single-process engine calls, in step order.
 
-Both roles of the core in one object, called in engine-step order (vLLM itself loads
-the core through :mod:`connector.vllm`, whose interface is vLLM's own). Per step::
+An :class:`OffloadCore` holds both roles of the offloading core in one object: the
+scheduler side (the offload manager: which chunks the CPU tier holds, which copies to
+plan, the reference-counted events) and the worker side (the CPU pool and the copies).
+The simulated engine in :mod:`kvevents.sim` drives it directly; vLLM, which runs the
+roles in two processes and has its own method names, loads the roles through
+:mod:`connector.vllm`, the one adapter. Per engine step::
 
-    scheduler side                                 worker side
-    get_num_new_matched_tokens(req, n_computed)    (new requests only)
-    update_state_after_alloc(req, blocks, n_ext)
-    build_connector_meta(sched_out) -> meta  ───►  start_load_kv(meta)    before forward
-                                                   ... forward pass ...
-                                                   wait_for_save()         after forward
-    update_connector_output(out)   ◄───────────    get_finished(delayed_finished_ids) -> out
-    request_finished(req, blocks) -> delay_free
-    take_events() -> wire events
+    scheduler side                                     worker side
+    match_offloaded(req, n_computed) -> n_tokens       (admitting a request)
+    on_blocks_allocated(req, blocks, n_load)           (admitting a request)
+    plan_step(schedule) -> transfers  ──────────────►  start_loads(transfers)   before forward
+                                                       ... forward pass writes the KV ...
+                                                       submit_stores(transfers) after forward
+    on_worker_report(report)  ◄──────────────────────  collect(newly_delayed) -> report
+    on_request_finished(req, blocks) -> keep_blocks    (a request finished)
+    take_events() -> wire events                       (drained once per step)
 
-``request_finished`` returning True means blocks are still being read by stores: the
-engine must keep them until the request id appears in ``finished_sending``.
+``attach_kv_caches`` is called once, before the first step. Loads are always
+asynchronous: a request whose prefix ``match_offloaded`` found waits until it appears
+in ``report.loaded``. ``on_request_finished`` returning True means stores still read the
+request's blocks: the engine keeps them, passes the id to the next ``collect`` (as
+newly delayed) and frees them once the id appears in ``report.releasable``.
 """
 
 from __future__ import annotations
@@ -26,44 +33,55 @@ import torch
 
 from kvevents.schema import Event
 
-from connector.metadata import ConnectorMetadata, KVConnectorOutput, RequestView, SchedulerOutput
+from connector.step import RequestView, StepSchedule, StepTransfers, WorkerReport
 
 
-class KVConnector(ABC):
+class OffloadCore(ABC):
+    """Both roles of an offloading core; every method runs on the engine's step thread."""
+
     # -- scheduler side --------------------------------------------------------
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` the connector can load, and whether async."""
+    def match_offloaded(self, request: RequestView, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` the CPU tier holds and can load (0: none)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None: ...
+    def on_blocks_allocated(self, request: RequestView, block_ids: Sequence[int], num_load_tokens: int) -> None:
+        """The engine gave ``request`` its blocks; plan a load of ``num_load_tokens`` into them."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata: ...
+    def plan_step(self, schedule: StepSchedule) -> StepTransfers:
+        """This step's loads (planned at allocation) and stores (chunks the step completes)."""
 
     @abstractmethod
-    def update_connector_output(self, output: KVConnectorOutput) -> None: ...
+    def on_worker_report(self, report: WorkerReport) -> None:
+        """Complete finished jobs: stored chunks become loadable, failed ones roll back."""
 
     @abstractmethod
-    def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool: ...
+    def on_request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
+        """Forget ``request``; True when its blocks must be kept until ``releasable``."""
 
     @abstractmethod
-    def take_events(self) -> list[Event]: ...
+    def take_events(self) -> list[Event]:
+        """Drain the wire events (CPU tier, reference-counted) produced since the last call."""
 
     # -- worker side -----------------------------------------------------------
     @abstractmethod
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None: ...
+    def attach_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Once: the engine's per-layer KV tensors, block id on dim 0 (not owned)."""
 
     @abstractmethod
-    def start_load_kv(self, metadata: ConnectorMetadata) -> None: ...
+    def start_loads(self, transfers: StepTransfers) -> None:
+        """Submit the step's loads; never waits for them."""
 
     @abstractmethod
-    def wait_for_save(self) -> None: ...
+    def submit_stores(self, transfers: StepTransfers) -> None:
+        """Submit the step's stores after the forward pass; never waits for them."""
 
     @abstractmethod
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput: ...
+    def collect(self, newly_delayed: set[str]) -> WorkerReport:
+        """Jobs completed since the last call, and delayed requests now releasable."""
 
-    # -- engine-level helpers (not in vLLM's interface) ------------------------
+    # -- engine-level helpers --------------------------------------------------
     def wait_for_transfers(self, timeout: float | None = None) -> bool:
         """Block until in-flight copies are done (idle engine, tests, shutdown)."""
         return True
@@ -76,7 +94,7 @@ class KVConnector(ABC):
         return True
 
     def cached_block_hashes(self) -> dict[str, set[int]]:
-        """True resident engine block hashes per medium held by this connector."""
+        """Engine block hashes truly resident per tier ("CPU") held by this core."""
         return {}
 
     def stats(self) -> dict[str, float]:

@@ -9,7 +9,7 @@ from connector.offload.manager import POLICIES
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """Settings of :class:`connector.OffloadingConnector`.
+    """Settings of :class:`connector.CPUOffloadCore`.
 
     Exactly one of ``cpu_capacity_bytes`` / ``cpu_capacity_blocks`` (offloaded blocks)
     sizes the CPU pool. ``offloaded_block_size`` (tokens; None = the engine's block size)

@@ -1,6 +1,6 @@
 """Turns the offload manager's raw events into wire events, reference-counted.
 
-Lifecycle: the scheduler-side connector calls :meth:`snapshot` when a chunk (offloaded
+Lifecycle: the core's scheduler side (:class:`OffloadPlanner`) calls :meth:`snapshot` when a chunk (offloaded
 block) is scheduled for storing, while its request is alive and its tokens are at hand;
 :meth:`translate` then converts drained :class:`OffloadingEvent` s:
 
@@ -11,7 +11,7 @@ block) is scheduled for storing, while its request is alive and its tokens are a
   goes 1 -> 0 (the fan-out).
 
 Chunks overlapping a shared, non-chunk-aligned prefix share constituent hashes; the
-per-(medium, hash) counts make each engine block announced once and removed once.
+per-hash counts (one tracker per tier) make each engine block announced once and removed once.
 A failed store drops its snapshot (:meth:`discard`). State is bounded by the CPU pool:
 one constituent tuple per resident chunk, one count per resident engine block, and
 snapshots only for in-flight stores. :meth:`reset` clears everything (the engine
@@ -45,8 +45,10 @@ class ChunkPayload:
 
 
 class OffloadEventsTracker:
-    def __init__(self, medium: str, self_describing: bool = True, group_idx: int = 0) -> None:
-        self.medium = medium
+    """Reference-counted wire events of one tier (``tier``: "CPU", the events' ``medium``)."""
+
+    def __init__(self, tier: str, self_describing: bool = True, group_idx: int = 0) -> None:
+        self.tier = tier
         self.self_describing = self_describing
         self.group_idx = group_idx
         self._snapshots: dict[OffloadKey, ChunkPayload] = {}
@@ -104,7 +106,7 @@ class OffloadEventsTracker:
             return [BlockStored(
                 block_hashes=new,
                 parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
-                medium=self.medium, lora_name=None, group_idx=self.group_idx,
+                medium=self.tier, lora_name=None, group_idx=self.group_idx,
             )]
         fresh = [self._incr(h) for h in hashes]
         # One event per run of consecutive newly-counted blocks, so that each event's
@@ -124,7 +126,7 @@ class OffloadEventsTracker:
             events.append(BlockStored(
                 block_hashes=list(hashes[i:j]), parent_block_hash=parent,
                 token_ids=list(payload.token_ids[i * bs : j * bs]), block_size=bs,
-                lora_id=None, medium=self.medium, lora_name=payload.lora_name,
+                lora_id=None, medium=self.tier, lora_name=payload.lora_name,
                 extra_keys=list(payload.extra_keys[i:j]), group_idx=self.group_idx,
                 kv_cache_spec_kind="full_attention",
             ))
@@ -140,7 +142,7 @@ class OffloadEventsTracker:
         gone = [h for h in hashes if self._decr(h)]
         if not gone:
             return []
-        return [BlockRemoved(block_hashes=gone, medium=self.medium, group_idx=self.group_idx)]
+        return [BlockRemoved(block_hashes=gone, medium=self.tier, group_idx=self.group_idx)]
 
     def _incr(self, h: int) -> bool:
         c = self._counts.get(h, 0)

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import torch
 
 
+def default_device() -> str:
+    """Where an engine without a configured device keeps its KV cache: CUDA when present."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     num_layers: int = 2
@@ -41,8 +46,12 @@ class KVCacheLayout:
     def layer_names(self) -> list[str]:
         return [f"layer.{i}" for i in range(self.num_layers)]
 
-    def allocate(self, num_blocks: int, device: torch.device | str, pin: bool = False) -> dict[str, torch.Tensor]:
-        """Zeroed per-layer tensors; ``pin`` asks for page-locked host memory."""
+    def allocate(
+        self, num_blocks: int, device: torch.device | str | None = None, pin: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Zeroed per-layer tensors on ``device`` (None: :func:`default_device`);
+        ``pin`` asks for page-locked host memory."""
+        device = default_device() if device is None else device
         return {
             name: torch.zeros(self.layer_shape(num_blocks), dtype=self.dtype, device=device, pin_memory=pin)
             for name in self.layer_names()

@@ -12,12 +12,26 @@ Extra-config keys mean what they mean for vLLM's own ``OffloadingConnector``:
 offloaded chunk, a multiple of the engine's; default the engine's), ``eviction_policy``
 (``lru`` | ``arc``) and ``self_describing_kv_events`` (default True).
 
+This is the one adapter: the class subclasses vLLM's base class, so its method names are
+vLLM's; each maps onto the core's own interface (:class:`connector.base.OffloadCore`)::
+
+    get_num_new_matched_tokens -> OffloadPlanner.match_offloaded
+    update_state_after_alloc   -> OffloadPlanner.on_blocks_allocated
+    build_connector_meta       -> OffloadPlanner.plan_step (StepSchedule from vLLM's output)
+    update_connector_output    -> OffloadPlanner.on_worker_report
+    request_finished           -> OffloadPlanner.on_request_finished
+    take_events                -> OffloadPlanner.take_events (as vLLM's event classes)
+    register_kv_caches         -> OffloadWorker.attach_kv_caches (block-major views)
+    start_load_kv              -> OffloadWorker.start_loads
+    wait_for_save              -> OffloadWorker.submit_stores (never waits for them)
+    get_finished / get_transfer_results -> OffloadWorker.collect
+
 vLLM builds this class twice, in two processes: with ``role=SCHEDULER`` in the
-EngineCore (it wraps :class:`OffloadingConnectorScheduler`: lookups, slot allocation,
-eviction, the reference-counted events tracker) and with ``role=WORKER`` next to the KV
-cache (it wraps :class:`OffloadingConnectorWorker`: the CPU pool and the transfer
-handler). Per step the scheduler pickles a :class:`KVEventsConnectorMetadata` to the
-worker; the worker's completed jobs come back as :class:`KVEventsWorkerMetadata`.
+EngineCore (it wraps :class:`OffloadPlanner`: lookups, slot allocation, eviction, the
+reference-counted events tracker) and with ``role=WORKER`` next to the KV cache (it
+wraps :class:`OffloadWorker`: the CPU pool and the transfer handler). Per step the
+scheduler pickles a :class:`KVEventsConnectorMetadata` to the worker; the worker's
+completed jobs come back as :class:`KVEventsWorkerMetadata`.
 
 Lifecycle of a finished request: when its stores are still in flight,
 ``request_finished`` returns ``(True, None)`` and names it in the next metadata; the
@@ -63,10 +77,10 @@ from kvevents.schema import MEDIUM_CPU, BlockRemoved, BlockStored
 
 from connector.config import OffloadConfig
 from connector.kv_layout import KVCacheLayout
-from connector.metadata import ConnectorMetadata, KVConnectorOutput, ScheduledRequest, SchedulerOutput
-from connector.scheduler import OffloadingConnectorScheduler
+from connector.planner import OffloadPlanner
+from connector.step import ScheduledRequest, StepSchedule, StepTransfers, WorkerReport
 from connector.transfer.abstract import Direction, TransferResult
-from connector.worker import OffloadingConnectorWorker
+from connector.worker import OffloadWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,7 +152,7 @@ class KVEventsConnectorMetadata(KVConnectorMetadata):
     its copies before the engine reuses the blocks.
     """
 
-    core: ConnectorMetadata = field(default_factory=ConnectorMetadata)
+    core: StepTransfers = field(default_factory=StepTransfers)
     delayed: set[str] = field(default_factory=set)
     flush: bool = False
 
@@ -246,10 +260,10 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
         self._num_blocks = kv_cache_config.num_blocks
         pc = vllm_config.parallel_config
         self._num_workers = pc.tensor_parallel_size * pc.pipeline_parallel_size
-        self.scheduler: OffloadingConnectorScheduler | None = None
-        self.worker: OffloadingConnectorWorker | None = None
+        self.scheduler: OffloadPlanner | None = None
+        self.worker: OffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = OffloadingConnectorScheduler(self.offload, self.layout, MEDIUM_CPU)
+            self.scheduler = OffloadPlanner(self.offload, self.layout, MEDIUM_CPU)
             self._views: dict[str, _RequestView] = {}
             self._block_ids: dict[str, list[int]] = {}
             self._delayed_new: set[str] = set()
@@ -258,8 +272,8 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
             self._job_reports: dict[int, tuple[int, bool, int, float]] = {}
         else:
             # Both roles size the pool from the same config, so they agree on its slots.
-            probe = OffloadingConnectorScheduler(self.offload, self.layout, MEDIUM_CPU)
-            self.worker = OffloadingConnectorWorker(self.layout, probe.num_slots * probe.k)
+            probe = OffloadPlanner(self.offload, self.layout, MEDIUM_CPU)
+            self.worker = OffloadWorker(self.layout, probe.num_slots * probe.k)
             self._load_dst: dict[int, np.ndarray] = {}
             self._load_errors: set[int] = set()
             self._last_results: list[TransferResult] = []
@@ -274,7 +288,7 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        self.worker.register_kv_caches(_canonical_kv(kv_caches, self._num_blocks))
+        self.worker.attach_kv_caches(_canonical_kv(kv_caches, self._num_blocks))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None
@@ -287,7 +301,7 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVEventsConnectorMetadata)
         for spec in meta.core.loads:
             self._load_dst[spec.job_id] = spec.dst_ids
-        self.worker.start_load_kv(meta.core)
+        self.worker.start_loads(meta.core)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS
@@ -297,7 +311,9 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self.worker is not None
-        self.worker.wait_for_save()  # submits this step's stores; never waits for them
+        meta = self._get_connector_metadata()  # still bound: vLLM clears it after this call
+        assert isinstance(meta, KVEventsConnectorMetadata)
+        self.worker.submit_stores(meta.core)  # never waits for them, despite vLLM's name
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         res = self.get_transfer_results(finished_req_ids)
@@ -309,16 +325,16 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
         delayed = meta.delayed if isinstance(meta, KVEventsConnectorMetadata) else set()
         # Only requests the scheduler delayed may be reported as sent (vLLM frees their
         # blocks on that report); they are always among this step's finished ids.
-        out = self.worker.get_finished(set(delayed))
-        self._last_results.extend(out.job_results)
-        for res in out.job_results:
+        out = self.worker.collect(set(delayed))
+        self._last_results.extend(out.results)
+        for res in out.results:
             dst = self._load_dst.pop(res.job_id, None)
             if dst is not None and not res.success:
                 self._load_errors.update(int(b) for b in dst.tolist())
         return KVConnectorTransferResults(
-            finished_sending=set(out.finished_sending),
-            finished_recving=set(out.finished_recving),
-            failed_recving=set(out.failed_recving),
+            finished_sending=set(out.releasable),
+            finished_recving=set(out.loaded),
+            failed_recving=set(out.load_failed),
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -348,17 +364,18 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(self._view(request), num_computed_tokens)
+        n = self.scheduler.match_offloaded(self._view(request), num_computed_tokens)
+        return n, n > 0  # the core's loads are always asynchronous
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         block_ids = list(blocks.get_block_ids()[0])
         self._block_ids[request.request_id] = block_ids
-        self.scheduler.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
+        self.scheduler.on_blocks_allocated(self._view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: VllmSchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        out = SchedulerOutput()
+        out = StepSchedule()
         cached = scheduler_output.scheduled_cached_reqs
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -371,12 +388,12 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
             view = self._views.get(req_id)
             if view is None:
                 continue
-            out.scheduled.append(ScheduledRequest(
+            out.requests.append(ScheduledRequest(
                 view, ids, computed[req_id], scheduler_output.num_scheduled_tokens.get(req_id, 0),
             ))
         preempted = scheduler_output.preempted_req_ids or set()
         flush = any(self.scheduler.has_pending_stores(r) for r in preempted)
-        meta = KVEventsConnectorMetadata(self.scheduler.build_connector_meta(out), self._delayed_new, flush)
+        meta = KVEventsConnectorMetadata(self.scheduler.plan_step(out), self._delayed_new, flush)
         self._delayed_new = set()
         return meta
 
@@ -393,7 +410,7 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
                     continue
                 done.append(TransferResult(job_id, meta.directions[job_id], report[1], report[2], report[3]))
         sent = set(connector_output.finished_sending or ())
-        self.scheduler.update_connector_output(KVConnectorOutput(finished_sending=sent, job_results=done))
+        self.scheduler.on_worker_report(WorkerReport(releasable=sent, results=done))
         for req_id in sent:
             self._delayed.discard(req_id)
             self._forget(req_id)
@@ -410,9 +427,9 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
             # Aborted while its load is in flight: the copy still writes into its blocks.
             # vLLM frees them when the load is reported in finished_recving.
             self._finished_loading.add(req_id)
-            self.scheduler.request_finished(self._views[req_id], block_ids)
+            self.scheduler.on_request_finished(self._views[req_id], block_ids)
             return True, None
-        delay = self.scheduler.request_finished(self._views[req_id], block_ids)
+        delay = self.scheduler.on_request_finished(self._views[req_id], block_ids)
         if delay:
             self._delayed_new.add(req_id)
             self._delayed.add(req_id)

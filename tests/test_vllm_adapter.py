@@ -67,12 +67,12 @@ def test_kv_caches_canonicalised_to_block_major_views():
 
 @needs_vllm
 def test_metadata_pickles_and_worker_reports_aggregate():
-    from connector.metadata import ConnectorMetadata, TransferSpec
+    from connector.step import StepTransfers, TransferSpec
     from connector.transfer.abstract import Direction
     from connector.vllm import KVEventsConnectorMetadata, KVEventsWorkerMetadata
 
     meta = KVEventsConnectorMetadata(
-        ConnectorMetadata(loads=[TransferSpec(3, "r1", np.arange(2), np.array([7, 9]))]), {"r0"}, True)
+        StepTransfers(loads=[TransferSpec(3, "r1", np.arange(2), np.array([7, 9]))]), {"r0"}, True)
     back = pickle.loads(pickle.dumps(meta))  # vLLM ships it to the worker process
     assert back.delayed == {"r0"} and back.flush and back.core.loads[0].dst_ids.tolist() == [7, 9]
     a = KVEventsWorkerMetadata({1: (1, True, 100, 0.5), 2: (1, True, 10, 0.1)}, {1: Direction.STORE, 2: Direction.LOAD})

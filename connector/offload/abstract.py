@@ -82,7 +82,7 @@ class OffloadingEvent:
 
     keys: tuple[OffloadKey, ...]
     block_size: int  # tokens per offloaded block
-    medium: str
+    tier: str  # where the blocks live ("CPU")
     removed: bool
 
 

@@ -35,7 +35,7 @@ class CPUOffloadingManager(OffloadingManager):
     """
 
     def __init__(
-        self, num_slots: int, block_size: int, policy: str = "lru", medium: str = MEDIUM_CPU
+        self, num_slots: int, block_size: int, policy: str = "lru", tier: str = MEDIUM_CPU
     ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be >= 1")
@@ -43,7 +43,7 @@ class CPUOffloadingManager(OffloadingManager):
             raise ValueError(f"unknown eviction policy {policy!r}; expected one of {sorted(POLICIES)}")
         self.num_slots = num_slots
         self.block_size = block_size
-        self.medium = medium
+        self.tier = tier
         self.policy: EvictionPolicy = POLICIES[policy](num_slots)
         # Free slots, popped from the end: allocating ascending slot numbers keeps a
         # fresh pool contiguous, which lets the transfer handler copy whole runs at once.
@@ -105,7 +105,7 @@ class CPUOffloadingManager(OffloadingManager):
             evicted = victims
             self._free.extend(s.slot for _, s in evicted)
             self._events.append(
-                OffloadingEvent(tuple(k for k, _ in evicted), self.block_size, self.medium, True)
+                OffloadingEvent(tuple(k for k, _ in evicted), self.block_size, self.tier, True)
             )
         slots = []
         for key in new_keys:
@@ -130,7 +130,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self.policy.remove(key)
                 self._free.append(status.slot)
         if done:
-            self._events.append(OffloadingEvent(tuple(done), self.block_size, self.medium, False))
+            self._events.append(OffloadingEvent(tuple(done), self.block_size, self.tier, False))
 
     # -- inspection ------------------------------------------------------------
 

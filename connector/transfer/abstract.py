@@ -2,7 +2,7 @@
 the CPU pool.
 
 Lifecycle: ``submit(job)`` returns at once (the copy runs asynchronously: on a worker
-thread without CUDA, on a per-direction CUDA stream with one); ``get_finished()`` returns
+thread without CUDA, on a per-direction CUDA stream with one); ``take_finished()`` returns
 the jobs that completed since the last call, **in submission order** per direction, each
 with success, bytes moved and seconds taken. A job that raises is reported with
 ``success=False`` (its destination may hold partial data: the scheduler rolls a store
@@ -61,7 +61,7 @@ class TransferHandler(ABC):
     def submit(self, job: TransferJob) -> None: ...
 
     @abstractmethod
-    def get_finished(self) -> list[TransferResult]: ...
+    def take_finished(self) -> list[TransferResult]: ...
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> bool:
@@ -69,7 +69,7 @@ class TransferHandler(ABC):
 
     @abstractmethod
     def pending(self) -> int:
-        """Jobs submitted and not yet returned by ``get_finished``."""
+        """Jobs submitted and not yet returned by ``take_finished``."""
 
     @abstractmethod
     def shutdown(self) -> None: ...

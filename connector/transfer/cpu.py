@@ -74,7 +74,7 @@ class CpuTransferHandler(TransferHandler):
             self._pending += 1
         self._jobs.put(job)
 
-    def get_finished(self) -> list[TransferResult]:
+    def take_finished(self) -> list[TransferResult]:
         out: list[TransferResult] = []
         while True:
             try:

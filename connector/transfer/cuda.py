@@ -4,7 +4,7 @@ A store waits (on its stream) for the compute stream's work so far, gathers the 
 on the GPU with one ``index_select`` into a contiguous staging tensor, then copies
 device->host run by run into the pinned pool (runs of consecutive pool rows, usually
 few). A load does the reverse: host->device runs into staging, then one
-``index_copy_`` into the KV cache. Each job records a CUDA event; ``get_finished()``
+``index_copy_`` into the KV cache. Each job records a CUDA event; ``take_finished()``
 polls events per direction in submission order, so completions are reported in order.
 Staging tensors are kept referenced by their job until its event has completed.
 """
@@ -82,7 +82,7 @@ class CudaTransferHandler(TransferHandler):
             torch.cuda.current_stream(self.device).wait_event(end)
         self._inflight[job.direction].append(rec)
 
-    def get_finished(self) -> list[TransferResult]:
+    def take_finished(self) -> list[TransferResult]:
         out = []
         for direction, q in self._inflight.items():
             while q and q[0].end.query():

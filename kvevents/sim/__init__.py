@@ -1,9 +1,13 @@
-"""A paged-KV engine driving the connector (demo, tests, benchmarks).
+"""A paged-KV engine driving the connector core directly (demo, tests, benchmarks).
+
+A demo and test double, not an imitation of any engine's interface: it calls
+:class:`connector.base.OffloadCore` in step order and never imports torch (the KV
+tensors are allocated, written and checked by the connector side: ``KVCacheLayout``,
+``KVPattern``; the simulator only passes them along with numpy index arrays).
 
 Modules: ``hashing`` (block hash chain), ``request``, ``block_pool`` (GPU prefix cache +
-GPU events), ``forward`` (deterministic KV writes and verification), ``scheduler``
-(token-budget continuous batching), ``config`` (EngineConfig, TimeModel), ``engine``
-(PagedEngine: the step loop).
+GPU events), ``scheduler`` (token-budget continuous batching), ``config`` (EngineConfig,
+TimeModel), ``engine`` (PagedEngine: the step loop), ``metrics``, ``rpc``, ``process``.
 """
 
 from kvevents.sim.config import EngineConfig, TimeModel

@@ -1,15 +1,19 @@
-"""A small paged-KV inference engine that drives a KV connector as vLLM does.
+"""A small paged-KV inference engine that drives the connector core directly.
 
-Lifecycle: construct (allocates the KV cache on ``cuda`` when available, else ``cpu``;
-events still say "GPU"; registers it with the connector) -> ``add_request`` any time ->
+Lifecycle: construct (allocates the KV cache on ``cuda`` when available, else ``cpu``,
+through :class:`connector.KVCacheLayout`; events still say "GPU"; attaches it to the
+offloading core) -> ``add_request`` any time ->
 ``step()`` / ``run_until_idle()`` -> ``shutdown()`` (waits for in-flight copies and stops
-the connector's worker; the publisher passed in stays the caller's to shut down).
+the core's worker side; the publisher passed in stays the caller's to shut down).
 
-Each step: schedule -> connector metadata -> start loads -> forward (deterministic KV
-writes) -> submit stores -> collect finished transfers -> sample one token per request
-that reached the end of its tokens -> publish one ``KVEventBatch`` with this step's GPU
-events followed by the connector's events. Time is simulated (:class:`TimeModel`):
-``RequestResult.ttft`` is in simulated seconds, whatever the host's speed.
+Each step, in the order of :class:`connector.base.OffloadCore`: schedule -> ``plan_step``
+-> ``start_loads`` -> forward (deterministic KV writes, :class:`connector.kv_pattern.KVPattern`)
+-> ``submit_stores`` -> sample one token per request that reached the end of its tokens
+(``on_request_finished`` for those done) -> ``collect`` / ``on_worker_report`` -> publish
+one ``KVEventBatch`` with this step's GPU events followed by the core's (``take_events``).
+This module never touches a tensor: it hands numpy index arrays to the connector side.
+Time is simulated (:class:`TimeModel`): ``RequestResult.ttft`` is in simulated seconds,
+whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -17,19 +21,19 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from kvevents.publisher import EventPublisher, NullEventPublisher
 from kvevents.schema import MEDIUM_CPU, MEDIUM_GPU, Event, KVEventBatch
 
-from connector.base import KVConnector
+from connector.base import OffloadCore
 from connector.config import OffloadConfig
+from connector.core import CPUOffloadCore
+from connector.kv_layout import default_device
+from connector.kv_pattern import KVPattern
 from kvevents.sim.block_pool import BlockPool
 from kvevents.sim.config import EngineConfig
-from kvevents.sim.forward import KVWriter
 from kvevents.sim.request import Request, RequestResult, RequestStatus
 from kvevents.sim.scheduler import Scheduler, StepPlan
-from connector.offloading_connector import OffloadingConnector
 
 
 class PagedEngine:
@@ -37,21 +41,21 @@ class PagedEngine:
         self,
         config: EngineConfig | None = None,
         offload: OffloadConfig | None = None,
-        connector: KVConnector | None = None,
+        connector: OffloadCore | None = None,
         publisher: EventPublisher | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         if offload is not None and connector is not None:
             raise ValueError("pass either offload or connector, not both")
         layout = self.config.layout
-        self.device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.connector = connector or (OffloadingConnector(offload, layout) if offload is not None else None)
+        self.device = self.config.device or default_device()
+        self.connector = connector or (CPUOffloadCore(offload, layout) if offload is not None else None)
         self.publisher = publisher or NullEventPublisher()
         self.pool = BlockPool(self.config.num_gpu_blocks, layout.block_size)
         self.kv_caches = layout.allocate(self.config.num_gpu_blocks, self.device)
-        self.writer = KVWriter(layout, self.device)
+        self.pattern = KVPattern(layout, self.device)
         if self.connector is not None:
-            self.connector.register_kv_caches(self.kv_caches)
+            self.connector.attach_kv_caches(self.kv_caches)
         self.scheduler = Scheduler(self.pool, self.connector, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.clock = 0.0  # simulated seconds
         self.kv_mismatches = 0  # loaded blocks that differ from recomputation
@@ -88,15 +92,16 @@ class PagedEngine:
         if not sched.running and sched.waiting and not sched.loading and sched.waiting[0].arrival_time > self.clock:
             self.clock = sched.waiting[0].arrival_time  # idle until the next arrival
         plan = sched.schedule(self.clock)
-        if not plan.output.scheduled and self.connector is not None and self.connector.has_pending_transfers():
+        if not plan.schedule.requests and self.connector is not None and self.connector.has_pending_transfers():
             # Nothing to compute until a transfer lands: wait for it instead of spinning.
             self.connector.wait_for_transfers(timeout=0.05)
+        transfers = None
         if self.connector is not None:
-            meta = self.connector.build_connector_meta(plan.output)
-            self.connector.start_load_kv(meta)
+            transfers = self.connector.plan_step(plan.schedule)
+            self.connector.start_loads(transfers)
         self._forward(plan)
-        if self.connector is not None:
-            self.connector.wait_for_save()
+        if transfers is not None:
+            self.connector.submit_stores(transfers)
         self.clock += self._step_cost(plan)
         finished = self._advance(plan)
         if self.connector is not None:
@@ -127,11 +132,11 @@ class PagedEngine:
         return True
 
     def cache_contents(self) -> dict[str, set[int]]:
-        """The engine block hashes truly resident per medium."""
+        """The engine block hashes truly resident per tier ("GPU", "CPU")."""
         out = {MEDIUM_GPU: set(self.pool.cached), MEDIUM_CPU: set()}
         if self.connector is not None:
-            for medium, hashes in self.connector.cached_block_hashes().items():
-                out.setdefault(medium, set()).update(hashes)
+            for tier, hashes in self.connector.cached_block_hashes().items():
+                out.setdefault(tier, set()).update(hashes)
         return out
 
     def load(self) -> dict[str, float]:
@@ -153,11 +158,11 @@ class PagedEngine:
     # -- internals ---------------------------------------------------------------
 
     def _forward(self, plan: StepPlan) -> None:
-        if not plan.output.scheduled:
+        if not plan.schedule.requests:
             return
         bs = self.config.layout.block_size
         toks, poss, slots = [], [], []
-        for sr in plan.output.scheduled:
+        for sr in plan.schedule.requests:
             a, n = sr.num_computed_tokens, sr.num_scheduled_tokens
             req = sr.request
             pos = np.arange(a, a + n, dtype=np.int64)
@@ -165,11 +170,11 @@ class PagedEngine:
             toks.append(np.asarray(req.all_token_ids[a : a + n], dtype=np.int64))
             poss.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
-        self.writer.write(self.kv_caches, np.concatenate(toks), np.concatenate(poss), np.concatenate(slots))
+        self.pattern.write(self.kv_caches, np.concatenate(toks), np.concatenate(poss), np.concatenate(slots))
 
     def _step_cost(self, plan: StepPlan) -> float:
         tm = self.config.time_model
-        if not plan.output.scheduled and not plan.num_load_tokens:
+        if not plan.schedule.requests and not plan.num_load_tokens:
             return 0.0
         return (tm.step_overhead_s + plan.num_prefill_tokens * tm.prefill_s_per_token
                 + (tm.decode_s_per_step if plan.num_decode_reqs else 0.0)
@@ -182,7 +187,7 @@ class PagedEngine:
     def _advance(self, plan: StepPlan) -> list[RequestResult]:
         bs = self.config.layout.block_size
         finished: list[RequestResult] = []
-        for sr in plan.output.scheduled:
+        for sr in plan.schedule.requests:
             req = sr.request
             assert isinstance(req, Request)
             req.num_computed_tokens += sr.num_scheduled_tokens
@@ -201,8 +206,8 @@ class PagedEngine:
     def _finish(self, req: Request) -> RequestResult:
         self.scheduler.running.remove(req)
         req.status = RequestStatus.FINISHED
-        delay = self.connector.request_finished(req, req.block_ids) if self.connector is not None else False
-        if delay:
+        keep = self.connector.on_request_finished(req, req.block_ids) if self.connector is not None else False
+        if keep:
             self._delayed[req.request_id] = req
             self._newly_delayed.add(req.request_id)
         else:
@@ -215,24 +220,24 @@ class PagedEngine:
 
     def _collect_transfers(self) -> None:
         assert self.connector is not None
-        out = self.connector.get_finished(self._newly_delayed)
+        report = self.connector.collect(self._newly_delayed)
         self._newly_delayed = set()
-        self.connector.update_connector_output(out)
+        self.connector.on_worker_report(report)
         bs = self.config.layout.block_size
-        for req_id in out.finished_recving:
+        for req_id in report.loaded:
             first_block = self.scheduler.loading[req_id].num_computed_tokens // bs if req_id in self.scheduler.loading else 0
-            req = self.scheduler.load_finished(req_id, req_id not in out.failed_recving)
+            req = self.scheduler.load_finished(req_id, req_id not in report.load_failed)
             if req is None:
                 continue
             end_block = req.num_computed_tokens // bs
             if self.config.verify_loads and end_block > first_block:
                 toks = np.asarray(req.all_token_ids[first_block * bs : end_block * bs], dtype=np.int64)
                 blocks = np.asarray(req.block_ids[first_block:end_block], dtype=np.int64)
-                self.kv_mismatches += self.writer.count_mismatched_blocks(self.kv_caches, toks, first_block * bs, blocks)
+                self.kv_mismatches += self.pattern.count_mismatched_blocks(self.kv_caches, toks, first_block * bs, blocks)
                 self.verified_blocks += end_block - first_block
             # Loaded blocks are full and valid: they join the GPU prefix cache (as vLLM does).
             self.pool.cache_full_blocks(req, end_block)
-        for req_id in out.finished_sending:
+        for req_id in report.releasable:
             req = self._delayed.pop(req_id, None)
             if req is not None:
                 self.pool.free(req.block_ids)

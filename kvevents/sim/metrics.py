@@ -67,7 +67,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class CountingPublisher(EventPublisher):
-    """Counts the blocks stored and removed per medium, then publishes through ``inner``.
+    """Counts the blocks stored and removed per tier, then publishes through ``inner``.
 
     Removals are the tiers' evictions. Counting happens on the engine thread before the
     non-blocking hand-off, so it costs a loop over the batch's events, not its blocks.
@@ -81,11 +81,11 @@ class CountingPublisher(EventPublisher):
     def publish(self, batch: KVEventBatch) -> bool:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                m = medium_of(ev)
-                self.stored[m] = self.stored.get(m, 0) + len(ev.block_hashes)
+                tier = medium_of(ev)  # the wire field names the tier
+                self.stored[tier] = self.stored.get(tier, 0) + len(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
-                m = medium_of(ev)
-                self.removed[m] = self.removed.get(m, 0) + len(ev.block_hashes)
+                tier = medium_of(ev)
+                self.removed[tier] = self.removed.get(tier, 0) + len(ev.block_hashes)
         return self.inner.publish(batch)
 
     def shutdown(self, timeout: float = 2.0) -> None:
@@ -195,7 +195,7 @@ class _EngineState(Collector):
         yield nbytes
         yield secs
         if e.connector is not None:
-            mgr = e.connector.scheduler.manager
+            mgr = e.connector.planner.manager
             yield self._gauge("kvevents_sim_cpu_pool_used_blocks",
                               "CPU pool slots in use (offloaded chunks)", mgr.num_used)
             yield self._gauge("kvevents_sim_cpu_pool_capacity_blocks",

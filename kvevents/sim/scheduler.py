@@ -4,8 +4,9 @@ Running requests are scheduled first (decodes and chunked-prefill continuations)
 waiting requests whose arrival time has come. A request is admitted only if the pool
 can hold all blocks it may ever need beyond those reserved by running requests, so
 no preemption is ever needed. On admission the GPU prefix cache is consulted, then the
-connector: a CPU-tier hit allocates the blocks, starts an asynchronous load and parks
-the request in WAITING_FOR_REMOTE_KVS until the load is reported finished.
+offloading core (``match_offloaded``): a CPU-tier hit allocates the blocks, plans an
+asynchronous load (``on_blocks_allocated``) and parks the request in
+WAITING_FOR_REMOTE_KVS until the load is reported finished.
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from connector.base import KVConnector
+from connector.base import OffloadCore
+from connector.step import ScheduledRequest, StepSchedule
 from kvevents.sim.block_pool import BlockPool
 from kvevents.sim.request import Request, RequestStatus
-from connector.metadata import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
 class StepPlan:
-    output: SchedulerOutput
+    schedule: StepSchedule
     num_prefill_tokens: int
     num_decode_reqs: int
     num_load_tokens: int
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, connector: KVConnector | None, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, pool: BlockPool, connector: OffloadCore | None, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.pool = pool
         self.connector = connector
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -56,7 +57,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> StepPlan:
         budget = self.max_num_batched_tokens
-        out = SchedulerOutput()
+        out = StepSchedule()
         prefill = decode = loads = 0
         for req in self.running:
             if budget <= 0:
@@ -65,7 +66,7 @@ class Scheduler:
             if n <= 0:
                 continue
             self._grow(req, req.num_computed_tokens + n)
-            out.scheduled.append(ScheduledRequest(req, req.block_ids, req.num_computed_tokens, n))
+            out.requests.append(ScheduledRequest(req, req.block_ids, req.num_computed_tokens, n))
             budget -= n
             if req.num_computed_tokens >= req.num_prompt_tokens:
                 decode += 1
@@ -79,7 +80,7 @@ class Scheduler:
             num_computed = len(hits) * self.pool.block_size
             ext = 0
             if self.connector is not None:
-                ext, _ = self.connector.get_num_new_matched_tokens(req, num_computed)
+                ext = self.connector.match_offloaded(req, num_computed)
             hits_free = sum(1 for b in hits if self.pool._ref[b] == 0)
             if self.pool.num_free() - hits_free - self._outstanding() < req.blocks_needed() - len(hits):
                 break  # FCFS: wait for blocks rather than starve the head of the queue
@@ -92,7 +93,7 @@ class Scheduler:
             if ext > 0:
                 self._grow(req, num_computed + ext)
                 assert self.connector is not None
-                self.connector.update_state_after_alloc(req, req.block_ids, ext)
+                self.connector.on_blocks_allocated(req, req.block_ids, ext)
                 req.pending_external_tokens = ext
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.loading[req.request_id] = req
@@ -101,10 +102,10 @@ class Scheduler:
             n = min(req.num_tokens - num_computed, budget)
             self._grow(req, num_computed + n)
             if self.connector is not None:
-                self.connector.update_state_after_alloc(req, req.block_ids, 0)
+                self.connector.on_blocks_allocated(req, req.block_ids, 0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.block_ids, num_computed, n))
+            out.requests.append(ScheduledRequest(req, req.block_ids, num_computed, n))
             budget -= n
             prefill += n
         return StepPlan(out, prefill, decode, loads)

@@ -45,7 +45,7 @@ class Subscribed:
 
 
 def replay(batches: list[KVEventBatch]) -> tuple[dict[str, dict[int, int]], list[str]]:
-    """Reference counts per (medium, hash) from events; problems are listed, not raised."""
+    """Reference counts per (tier, hash) from events; problems are listed, not raised."""
     counts: dict[str, dict[int, int]] = {"GPU": {}, "CPU": {}}
     problems = []
     for b in batches:

@@ -1,14 +1,14 @@
 import random
 
-from connector import KVCacheLayout, MultiConnector, OffloadConfig, OffloadingConnector
+from connector import CPUOffloadCore, KVCacheLayout, MultiConnector, OffloadConfig
 from kvevents.sim import EngineConfig, PagedEngine
 
 
 def test_loads_from_first_child_with_hits_saves_to_all_and_merges():
     rng = random.Random(0)
     layout = KVCacheLayout()
-    small = OffloadingConnector(OffloadConfig(cpu_capacity_blocks=2, offloaded_block_size=32), layout)
-    big = OffloadingConnector(OffloadConfig(cpu_capacity_blocks=64, offloaded_block_size=32), layout)
+    small = CPUOffloadCore(OffloadConfig(cpu_capacity_blocks=2, offloaded_block_size=32), layout)
+    big = CPUOffloadCore(OffloadConfig(cpu_capacity_blocks=64, offloaded_block_size=32), layout)
     multi = MultiConnector([small, big])
     eng = PagedEngine(EngineConfig(num_gpu_blocks=48, max_num_batched_tokens=256), connector=multi)
     try:

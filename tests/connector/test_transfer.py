@@ -24,7 +24,7 @@ def test_round_trip_is_bit_exact(pool_ids):
     try:
         h.submit(TransferJob(1, Direction.STORE, src, dst))
         assert h.wait(10)
-        (res,) = h.get_finished()
+        (res,) = h.take_finished()
         assert res.success
         assert res.num_bytes == 40 * layout.bytes_per_block and res.seconds >= 0
         for name in eng:
@@ -33,7 +33,7 @@ def test_round_trip_is_bit_exact(pool_ids):
         back = np.random.default_rng(3).permutation(64)[:40].astype(np.int64)
         h.submit(TransferJob(2, Direction.LOAD, dst, back))
         assert h.wait(10)
-        assert [r.job_id for r in h.get_finished()] == [2]
+        assert [r.job_id for r in h.take_finished()] == [2]
         for name in eng:
             assert torch.equal(eng[name][torch.from_numpy(back)], expect[name][torch.from_numpy(src)])
     finally:
@@ -50,7 +50,7 @@ def test_completions_in_submission_order_and_failure_reported():
         h.submit(TransferJob(2, Direction.STORE, ids, ids + 100))  # out of range: fails
         h.submit(TransferJob(3, Direction.LOAD, ids, ids))
         assert h.wait(10)
-        res = h.get_finished()
+        res = h.take_finished()
         assert [r.job_id for r in res] == [1, 2, 3]
         assert [r.success for r in res] == [True, False, True]
         assert h.pending() == 0
@@ -69,12 +69,12 @@ def test_cuda_round_trip_is_bit_exact():
     dst = np.random.default_rng(2).permutation(128)[:40].astype(np.int64)
     h.submit(TransferJob(1, Direction.STORE, src, dst))
     assert h.wait(10)
-    assert [r.success for r in h.get_finished()] == [True]
+    assert [r.success for r in h.take_finished()] == [True]
     expect = {k: v.clone() for k, v in eng.items()}
     back = np.random.default_rng(3).permutation(64)[:40].astype(np.int64)
     h.submit(TransferJob(2, Direction.LOAD, dst, back))
     assert h.wait(10)
-    assert [r.job_id for r in h.get_finished()] == [2]
+    assert [r.job_id for r in h.take_finished()] == [2]
     for name in eng:
         assert torch.equal(eng[name][torch.from_numpy(back).cuda()], expect[name][torch.from_numpy(src).cuda()])
 
@@ -105,7 +105,7 @@ def test_copy_strategies_bit_exact(case, monkeypatch):
         h.submit(TransferJob(1, Direction.STORE, src, dst))
         h.submit(TransferJob(2, Direction.LOAD, dst, back))
         assert h.wait(10)
-        assert [(r.job_id, r.success) for r in h.get_finished()] == [(1, True), (2, True)]
+        assert [(r.job_id, r.success) for r in h.take_finished()] == [(1, True), (2, True)]
         for k in eng:
             assert torch.equal(pool[k][torch.from_numpy(dst)], expect[k][torch.from_numpy(src)])
             assert torch.equal(eng[k][torch.from_numpy(back)], expect[k][torch.from_numpy(src)])

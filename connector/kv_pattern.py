@@ -1,4 +1,9 @@
-"""The engine's stand-in for a model forward pass: deterministic, vectorised KV writes.
+"""Deterministic KV contents: a model-free engine's forward pass, and its check.
+
+A host without a model (the simulated engine in :mod:`kvevents.sim`, which imports no
+torch) writes this pattern where a forward pass would write KV, then verifies that what
+the CPU tier loaded back is bit-exact. It lives here, with the tensors, so that the
+simulator only hands numpy index arrays and the opaque KV tensors across.
 
 The KV of a token depends only on (token id, position, layer), so any block can be
 recomputed and compared bit-exactly with what the CPU tier loaded back. Values are
@@ -17,8 +22,14 @@ from connector.kv_layout import KVCacheLayout
 _MOD = 2039
 
 
-class KVWriter:
-    def __init__(self, layout: KVCacheLayout, device: torch.device) -> None:
+class KVPattern:
+    """The pattern for one layout on one device (a small value table there).
+
+    Raises nothing beyond torch's own errors; both methods are whole-batch tensor ops.
+    """
+
+    def __init__(self, layout: KVCacheLayout, device: torch.device | str) -> None:
+        device = torch.device(device)
         self.layout = layout
         self.device = device
         width = 2 * layout.num_kv_heads * layout.head_dim

@@ -1,10 +1,11 @@
-"""Scheduler side of the offloading connector: decides what to load and store.
+"""Scheduler side of the offloading core: plans what to load and store.
 
 Owns the :class:`CPUOffloadingManager` and the :class:`OffloadEventsTracker`; never
 touches tensors. It turns engine requests into offload keys (one per offloaded chunk of
-k engine blocks, keyed by the chunk's last engine block hash), issues transfer specs
-through :class:`ConnectorMetadata`, and completes them from the worker's results.
-Single-threaded: the engine's scheduler loop calls it.
+k engine blocks, keyed by the chunk's last engine block hash), plans copies as
+:class:`StepTransfers`, and completes them from the worker side's :class:`WorkerReport`.
+Its methods are those of the scheduler side of :class:`connector.base.OffloadCore`, in
+that order. Single-threaded: the engine's scheduler loop calls it.
 """
 
 from __future__ import annotations
@@ -19,13 +20,7 @@ from kvevents.schema import MEDIUM_CPU, Event
 from connector.config import OffloadConfig
 from connector.events_tracker import ChunkPayload, OffloadEventsTracker
 from connector.kv_layout import KVCacheLayout
-from connector.metadata import (
-    ConnectorMetadata,
-    KVConnectorOutput,
-    RequestView,
-    SchedulerOutput,
-    TransferSpec,
-)
+from connector.step import RequestView, StepSchedule, StepTransfers, TransferSpec, WorkerReport
 from connector.offload.abstract import OffloadKey
 from connector.offload.manager import CPUOffloadingManager
 from connector.transfer.abstract import Direction
@@ -61,16 +56,18 @@ class OffloadStats:
     store_skipped_chunks: int = 0  # prepare_store could not allocate
 
 
-class OffloadingConnectorScheduler:
-    def __init__(self, config: OffloadConfig, layout: KVCacheLayout, medium: str = MEDIUM_CPU) -> None:
+class OffloadPlanner:
+    """Scheduler side of one CPU tier (``tier`` names it in events, "CPU")."""
+
+    def __init__(self, config: OffloadConfig, layout: KVCacheLayout, tier: str = MEDIUM_CPU) -> None:
         self.config = config
         self.layout = layout
         self.block_size = layout.block_size
         self.k = config.blocks_per_chunk(layout.block_size)
         self.chunk_tokens = self.k * self.block_size
         self.num_slots = config.num_slots(layout.bytes_per_block * self.k)
-        self.manager = CPUOffloadingManager(self.num_slots, self.chunk_tokens, config.eviction_policy, medium)
-        self.tracker = OffloadEventsTracker(medium, config.self_describing_events)
+        self.manager = CPUOffloadingManager(self.num_slots, self.chunk_tokens, config.eviction_policy, tier)
+        self.tracker = OffloadEventsTracker(tier, config.self_describing_events)
         self.stats = OffloadStats()
         self._reqs: dict[str, _ReqState] = {}
         self._jobs: dict[int, _Job] = {}
@@ -93,24 +90,24 @@ class OffloadingConnectorScheduler:
 
     # -- loads -----------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+    def match_offloaded(self, request: RequestView, num_computed_tokens: int) -> int:
         # Never cover the last prompt token: the engine must compute at least one token
         # to produce the next one.
         num_chunks = (request.num_tokens - 1) // self.chunk_tokens
         start = num_computed_tokens // self.chunk_tokens
         if start >= num_chunks:
-            return 0, False
+            return 0
         hits = self.manager.lookup(self._keys(request, start, num_chunks))
         if hits == 0:
-            return 0, False
+            return 0
         state = self._reqs.setdefault(request.request_id, _ReqState())
         state.lookup = (num_computed_tokens, start, hits)
-        return (start + hits) * self.chunk_tokens - num_computed_tokens, True
+        return (start + hits) * self.chunk_tokens - num_computed_tokens
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def on_blocks_allocated(self, request: RequestView, block_ids: Sequence[int], num_load_tokens: int) -> None:
         state = self._reqs.setdefault(request.request_id, _ReqState())
         state.block_ids = list(block_ids)
-        if num_external_tokens == 0 or state.lookup is None:
+        if num_load_tokens == 0 or state.lookup is None:
             return
         num_computed, start, hits = state.lookup
         state.lookup = None
@@ -129,10 +126,10 @@ class OffloadingConnectorScheduler:
 
     # -- stores ----------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
-        meta = ConnectorMetadata(loads=self._pending_loads)
+    def plan_step(self, schedule: StepSchedule) -> StepTransfers:
+        plan = StepTransfers(loads=self._pending_loads)
         self._pending_loads = []
-        for sr in scheduler_output.scheduled:
+        for sr in schedule.requests:
             req = sr.request
             state = self._reqs.setdefault(req.request_id, _ReqState())
             state.block_ids = list(sr.block_ids)
@@ -161,8 +158,8 @@ class OffloadingConnectorScheduler:
             job = self._job_id()
             self._jobs[job] = _Job(req.request_id, Direction.STORE, out.keys_to_store)
             state.store_jobs.add(job)
-            meta.stores.append(TransferSpec(job, req.request_id, gpu, self._rows(out.store_spec.slots)))
-        return meta
+            plan.stores.append(TransferSpec(job, req.request_id, gpu, self._rows(out.store_spec.slots)))
+        return plan
 
     def _payload(self, req: RequestView, chunk: int) -> ChunkPayload:
         k, bs = self.k, self.block_size
@@ -178,8 +175,8 @@ class OffloadingConnectorScheduler:
 
     # -- completion ------------------------------------------------------------
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for res in output.job_results:
+    def on_worker_report(self, report: WorkerReport) -> None:
+        for res in report.results:
             job = self._jobs.pop(res.job_id, None)
             if job is None:
                 continue
@@ -202,12 +199,12 @@ class OffloadingConnectorScheduler:
                 self.stats.load_jobs += 1
                 self.stats.loaded_bytes += res.num_bytes
                 self.stats.loaded_seconds += res.seconds
-        for req_id in output.finished_sending:
+        for req_id in report.releasable:
             state = self._reqs.get(req_id)
             if state is not None and state.finished:
                 del self._reqs[req_id]
 
-    def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
+    def on_request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
         state = self._reqs.get(request.request_id)
         if state is None:
             return False
