@@ -88,6 +88,11 @@ _RCVMORE = int(zmq.RCVMORE)
 #: (``recv_hwm``), not in Python memory.
 _DRAIN_MAX = 1000
 _DRAIN_MAX_BYTES = 4 << 20
+#: Most batches in one :class:`BatchesReceived`: enough to pay a consumer's per-call
+#: costs once per many batches, few enough that applying them holds the index (and the
+#: GIL, inside the compiled core) for well under a millisecond, so lookups never wait
+#: behind a whole drain.
+_GROUP_MAX = 32
 
 
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
@@ -805,6 +810,8 @@ class Subscriber:
             self._group_src = src
             self._group_replayed = replayed
             self._group.append((seq, result))
+            if len(self._group) >= _GROUP_MAX:
+                self._flush_group()
             return
         src.stats.last_seq = seq
         src.stats.batches += 1
