@@ -175,6 +175,13 @@ class _Dynamo:
         return {engine_name(int(w)): max(d.values()) // BS for w, d in r["scores"].items() if max(d.values())}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _until_done(side, port: int, t0: float, every: float, timeout: float) -> tuple[bool, float, float]:
     """Poll ``side.done`` every ``every`` s (each poll costs the consumer a little, so not
     too often). Completion happened between the start of the last poll that said "not
@@ -215,9 +222,13 @@ def run_side(side, a, paths: dict, meta: dict, groups: list[list[str]], check_pr
         if not _wait(lambda: side.ready(port), 120):
             raise RuntimeError(f"{side.name} never became ready (see {log.name})")
         time.sleep(1.0)  # let the SUB subscriptions reach every publisher
+        cpu0 = _cpu_seconds(server.pid)
         t0 = time.perf_counter()
         go.set()
         ok, elapsed, resolution = _until_done(side, port, t0, a.poll, a.timeout)
+        # CPU the consumer spent (all its threads) until it was seen done: the cost per
+        # event, which the shared 2-core machine's noise distorts less than wall time.
+        out["consumer_cpu_s"] = round(_cpu_seconds(server.pid) - cpu0, 3)
         out.update(side.report(port))
         out["completed"] = ok
         out["seconds"] = round(elapsed, 3)
@@ -276,16 +287,20 @@ def inner(a) -> None:
     ratio = round(med["ours"] / med["dynamo"], 3) if med["dynamo"] else None
     print(f"\n{cfg.engines} engines x {cfg.capacity:,} blocks, {a.publishers} publishers -> one consumer "
           f"(dynamo.indexer --threads {a.dynamo_threads})")
-    print_table(["run", "ours block events/s", "dynamo block events/s", "ratio", "ours wrong", "dynamo wrong",
-                 "ours lost", "dynamo not ok"],
+    print_table(["run", "ours block events/s", "dynamo block events/s", "ratio", "ours CPU s",
+                 "dynamo CPU s", "ours wrong", "dynamo wrong", "ours lost", "dynamo not ok"],
                 [[i, f"{r['ours']['block_events_per_s']:,}", f"{r['dynamo']['block_events_per_s']:,}",
-                  r["ratio"], r["ours"]["lookups_wrong_vs_truth"], r["dynamo"]["lookups_wrong_vs_truth"],
+                  r["ratio"], r["ours"].get("consumer_cpu_s"), r["dynamo"].get("consumer_cpu_s"),
+                  r["ours"]["lookups_wrong_vs_truth"], r["dynamo"]["lookups_wrong_vs_truth"],
                   r["ours"].get("lost_batches"), r["dynamo"].get("not_ok")] for i, r in enumerate(runs)])
-    print(f"median: ours {med['ours']:,.0f} vs dynamo {med['dynamo']:,.0f} block events/s ({ratio}x)")
+    cpu = {s: median([r[s].get("consumer_cpu_s") or 0 for r in runs]) for s in ("ours", "dynamo")}
+    print(f"median: ours {med['ours']:,.0f} vs dynamo {med['dynamo']:,.0f} block events/s ({ratio}x); "
+          f"consumer CPU {cpu['ours']:.2f} s vs {cpu['dynamo']:.2f} s")
     write_json(a.json or f"benchmarks/results/dynamo-e2e-p{cfg.engines}-c{cfg.capacity}.json",
                {"benchmark": "P1 end to end over ZeroMQ vs dynamo.indexer", "machine": machine(),
                 "kvevents": kvevents.__file__, "args": vars(a),
                 "trace": meta | {"per_engine": None}, "median_block_events_per_s": med, "ratio": ratio,
+                "median_consumer_cpu_s": cpu,
                 "runs": runs})
 
 

@@ -293,3 +293,20 @@ def test_handlers_never_block_the_event_loop_on_the_index_lock():
                 released.set()
             t.join(10)
             assert results and results[0] >= 0.3
+
+
+def test_hot_handlers_stay_on_the_event_loop():
+    """/v1/lookup and /v1/route are coroutines with no dependency to resolve: FastAPI
+    runs a plain ``def`` handler or dependency on its thread pool, a thread hop per
+    request that cost ~0.5 ms here (several under ingest), and resolving dependencies
+    was a third of the event loop's time per lookup."""
+    import inspect
+
+    from fastapi.routing import APIRoute
+
+    app = create_app(AggregatorSettings())
+    hot = {r.path: r for r in app.routes if isinstance(r, APIRoute) and r.path in ("/v1/lookup", "/v1/route")}
+    assert set(hot) == {"/v1/lookup", "/v1/route"}
+    for path, r in hot.items():
+        assert inspect.iscoroutinefunction(r.endpoint), path
+        assert not r.dependant.dependencies, (path, [d.call for d in r.dependant.dependencies])

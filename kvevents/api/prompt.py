@@ -17,7 +17,10 @@ from kvevents.text import ChatTemplateError, TokenizerRegistry
 _INPUTS = ("token_ids", "prompt", "messages")
 
 
-def get_tokenizers(request: Request) -> TokenizerRegistry:
+# async, as every dependency of the lookup and route handlers must be: FastAPI runs a
+# plain ``def`` dependency on the thread pool, a thread hop per request (about 0.5 ms
+# here, several under ingest, where the hop waits for the GIL).
+async def get_tokenizers(request: Request) -> TokenizerRegistry:
     return request.app.state.tokenizers
 
 

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Request, Response
 
 from kvevents.aggregator import Aggregator
 from kvevents.api import offloop
 from kvevents.api.body import RouteBody, body_doc, decode_route
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, RouteResponse
-from kvevents.api.prompt import get_tokenizers, prompt_token_ids
-from kvevents.api.routes_engines import get_aggregator
+from kvevents.api.prompt import prompt_token_ids
 from kvevents.api.routes_query import json_response
 from kvevents.router import Candidate, EngineLoad, without_engines
-from kvevents.text import TokenizerRegistry
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 
@@ -47,10 +45,12 @@ def candidates_of(body: RouteBody, agg: Aggregator) -> list[Candidate]:
 @router.post("/route", response_model=RouteResponse, responses=ERRORS,
              openapi_extra=body_doc(RouteBody),
              summary="Choose the engine for a prompt: longest cached prefix per tier vs load")
-async def route(body: RouteBody = Depends(decode_route),
-                agg: Aggregator = Depends(get_aggregator),
-                tokenizers: TokenizerRegistry = Depends(get_tokenizers)) -> Response:
-    token_ids = await prompt_token_ids(body, tokenizers, agg.settings.max_prompt_tokens)
+async def route(request: Request) -> Response:
+    # No ``Depends``, as in /v1/lookup (routes_query.py): the per-request cost matters.
+    body = await decode_route(request)
+    agg: Aggregator = request.app.state.aggregator
+    token_ids = await prompt_token_ids(body, request.app.state.tokenizers,
+                                       agg.settings.max_prompt_tokens)
     candidates = candidates_of(body, agg)
     lookup = without_engines(
         await offloop.lookup(agg, token_ids, body.model, body.lora_name, "route"),
