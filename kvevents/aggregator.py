@@ -109,7 +109,6 @@ class Aggregator:
             max_pending_bytes=settings.max_pending_bytes, recv_hwm=settings.recv_hwm,
             context=self._zmq, raw_tokens=True,  # the index reads token ids in place
             group_batches=True,  # one lock, core call, metric and feed item per drain
-            coalesce_s=settings.ingest_coalesce_s,
         )
         # (engine, kind) -> count of exceptions while applying (kind: exception or event type).
         self.apply_errors: dict[tuple[str, str], int] = {}

@@ -293,11 +293,6 @@ class AggregatorSettings(BaseSettings):
     replay_deadline_s: float = Field(5.0, gt=0, description="seconds a replay may make no "
                                                             "progress before its gap is lost")
     seq_window: int = Field(1_000_000, ge=1, description="largest believable forward seq jump")
-    ingest_coalesce_s: float = Field(
-        0.001, ge=0.0, le=0.05,
-        description="pause of the ingest loop after a poll that found only a few messages, "
-                    "so they arrive in larger drains and lookups get the GIL in whole "
-                    "stretches (0: never pause; a backlog is never paused)")
     max_pending_bytes: int = Field(32 * 1024 * 1024, ge=0,
                                    description="bytes of live messages held back during a replay")
     recv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive queue per engine, in messages")

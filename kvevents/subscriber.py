@@ -144,8 +144,6 @@ class Subscriber:
     # its history.
     _PROBE_INTERVAL_S = 1.0
     _BACKOFF_MIN_S = 0.05
-    # A poll that handled fewer messages than this means the loop is keeping up.
-    _COALESCE_BELOW = 256
     _BACKOFF_MAX_S = 5.0
     # Consecutive out-of-window seqs after which the publisher is believed: resync.
     _JUMPS_TO_RESYNC = 3
@@ -167,7 +165,6 @@ class Subscriber:
         raw_tokens: bool = False,
         compiled_recv: bool = True,
         group_batches: bool = False,
-        coalesce_s: float = 0.0,
     ) -> None:
         """``raw_tokens``: deliver stored events with their token ids left as raw msgpack
         (see :class:`~kvevents.schema.BatchDecoder`): for consumers that only feed the
@@ -176,15 +173,10 @@ class Subscriber:
         pyzmq; both give the same messages). ``group_batches``: deliver consecutive
         batches of one source taken in one drain of its socket as one
         :class:`BatchesReceived` instead of one :class:`BatchReceived` each (a source's
-        stats then show them once they were delivered). ``coalesce_s``: after a poll
-        that handled a few messages (the loop is keeping up), sleep this long before the
-        next, so messages arrive in larger drains and the GIL stays free for other
-        threads (an HTTP server's) in whole stretches instead of changing hands every
-        few messages; a backlog is drained without pause. 0: never."""
+        stats then show them once they were delivered)."""
         self._consumer = consumer
         self._drain = _DRAIN if compiled_recv else _drain_python
         self._group_batches = group_batches
-        self._coalesce_s = coalesce_s
         # The group being collected: its source, whether replayed, (seq, DecodeResult)s.
         self._group_src: SourceState | None = None
         self._group_replayed = False
@@ -299,12 +291,8 @@ class Subscriber:
         try:
             while not self._stop.is_set():
                 try:
-                    handled = self.poll_once(50)
+                    self.poll_once(50)
                     backoff = self._BACKOFF_MIN_S
-                    if 0 < handled < self._COALESCE_BELOW and self._coalesce_s:
-                        # Keeping up: let messages gather for a moment instead of taking
-                        # the GIL back for every few (see ``coalesce_s``).
-                        time.sleep(self._coalesce_s)
                 except Exception:
                     # Whatever went wrong, the other publishers must keep flowing.
                     self.loop_errors += 1
