@@ -429,6 +429,7 @@ class Subscriber:
             # Restored from a snapshot: continue the stream where it was left.
             src.expected = config.resume_seq
             src.stats.last_seq = config.resume_seq - 1 if config.resume_seq > 0 else None
+            src.stream_high = src.stats.last_seq
             src.stats.last_batch_ts = config.resume_ts
         self._open(src)
         if config.resume_seq is not None and self._can_replay(src):
@@ -545,6 +546,7 @@ class Subscriber:
         self._clear_replay(src)
         src.expected = None
         src.live_high = None
+        src.stream_high = None
         src.digests.clear()
         src.verify = False
         src.jump_streak = 0
@@ -725,8 +727,10 @@ class Subscriber:
         if src.replay_deadline is None:
             return  # a late reply to a replay that already ended
         if seq == END_SEQ:
-            self._flush_group()  # so stats.last_seq is the last delivered seq
-            last = src.stats.last_seq
+            # The current stream's newest seq, not stats.last_seq: after a restart that
+            # is the old process's, and a new process's still empty buffer would then
+            # look like yet another restart, again and again.
+            last = src.stream_high
             if (last is not None and src.expected is not None and src.replay_start <= last
                     and (src.replay_high is None or src.replay_high < last)):
                 # The same process always still holds the newest batch we applied; a
@@ -835,6 +839,7 @@ class Subscriber:
 
     def _deliver(self, src: SourceState, seq: int, payload: bytes, *, replayed: bool) -> None:
         src.expected = seq + 1
+        src.stream_high = seq
         src.stats.last_received = time.time()
         src.digests.add(seq, payload)
         try:

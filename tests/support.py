@@ -20,6 +20,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rebind(make, timeout: float = 5.0):
+    """``make()`` once the port the previous publisher held is free again (its socket
+    closes on its own thread, just after ``shutdown`` returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
     """Poll ``pred`` until true or the deadline; returns the last value."""
     deadline = time.monotonic() + timeout

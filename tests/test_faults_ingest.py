@@ -22,12 +22,12 @@ import httpx
 import pytest
 import zmq
 
-from support import free_port, wait_until
+from support import free_port, rebind, wait_until
 from kvevents.aggregator import Aggregator
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
 from kvevents.settings import AggregatorSettings, EngineSpec
-from kvevents.subscriber import BatchReceived, SourceConfig, Subscriber
+from kvevents.subscriber import BatchReceived, PublisherRestarted, SourceConfig, Subscriber
 from kvevents.transport import END_SEQ, pack_seq, replay_end_marker, unpack_seq
 
 ENC = BatchEncoder()
@@ -48,19 +48,6 @@ def settings(**kw) -> AggregatorSettings:
     code before issue 11, whose settings lack the new knobs)."""
     known = set(AggregatorSettings.model_fields)
     return AggregatorSettings(**{k: v for k, v in kw.items() if k in known})
-
-
-def rebind(make, timeout: float = 5.0):
-    """``make()`` once the port the previous publisher held is free again (its socket
-    closes on its own thread, just after ``shutdown`` returns)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return make()
-        except zmq.ZMQError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.05)
 
 
 def resident(agg: Aggregator, engine: str) -> set:
@@ -722,3 +709,31 @@ def test_out_of_sockets_is_counted_and_retried_not_fatal():
         ctx.destroy(linger=0)
         a.close()
         b.close()
+
+
+def test_empty_buffer_of_a_restarted_publisher_is_one_restart_not_a_loop():
+    """A continuity check finds the publisher's replay buffer empty (a new process that
+    has published nothing yet): that is one restart. The check must then judge the new
+    stream by what the new stream delivered, not by the old process's last seq, or every
+    following replay of the still-empty buffer reads as yet another restart (CI saw 68
+    in half a second)."""
+    pub = ScriptedPublisher()
+    got: list = []
+    sub = Subscriber(got.append, seq_window=100)
+    sub.add_source(SourceConfig("p", pub.endpoint, replay_endpoint=pub.replay_endpoint))
+    sub.start()
+    try:
+        time.sleep(0.3)
+        for seq in range(10):
+            pub.publish(seq, ENC.encode(stored(100 + seq)))
+        assert wait_until(lambda: sub.stats()["p"].last_seq == 9, 10)
+        pub.buffer.clear()  # the new process: nothing published yet
+        pub.publish(5000, ENC.encode(stored(1)), keep=False)  # a jump: check continuity
+        time.sleep(1.5)
+        restarts = [s for s in got if isinstance(s, PublisherRestarted)]
+        figure("empty_buffer_restart", restarts=len(restarts), replay_requests=pub.requests)
+        assert len(restarts) == 1
+        assert restarts[0].reason == "continuity mismatch"
+    finally:
+        sub.stop()
+        pub.close()

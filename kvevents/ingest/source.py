@@ -78,6 +78,9 @@ class SourceState:
     dealer: zmq.Socket | None = None  # one per source, reused across replays
     monitor: zmq.Socket | None = None
     live_high: int | None = None  # highest seq seen on the live socket
+    # Newest seq delivered (or restored from a snapshot) of the stream followed now; None
+    # after a reset. Unlike stats.last_seq it forgets a restarted publisher's old seqs.
+    stream_high: int | None = None
     next_probe: float | None = None  # when to ask for history before first contact
     replay_deadline: float | None = None  # idle deadline, set while a replay is outstanding
     replay_hard_deadline: float | None = None  # progress deadline of the same replay
