@@ -50,7 +50,6 @@ from kvevents.schema import KVEventBatch
 from kvevents.settings import AggregatorSettings, EngineSpec
 from kvevents.subscriber import (
     BatchesLost,
-    BatchReceived,
     BatchesReceived,
     GapDetected,
     PublisherRestarted,
@@ -79,6 +78,13 @@ class EngineState:
     resyncs: int = 0  # times its state was dropped after a loss
     restore: str | None = None  # continuity outcome when restored from a snapshot
     down_since: float | None = None  # monotonic time it was last seen disconnected
+
+
+def _add_stats(total: ApplyStats, st: ApplyStats) -> None:
+    """Add the block counts the feed reports of ``st`` to ``total``."""
+    total.stored_blocks += st.stored_blocks
+    total.removed_blocks += st.removed_blocks
+    total.cleared += st.cleared
 
 
 class Aggregator:
@@ -383,21 +389,8 @@ class Aggregator:
         known, model = self._model_of(sig.source)
         if not known:
             return  # removed while its last messages were in flight
-        if isinstance(sig, BatchesReceived):
+        if isinstance(sig, BatchesReceived):  # our subscriber groups: no BatchReceived
             self._on_batches(sig, model)
-        elif isinstance(sig, BatchReceived):
-            with self._apply_lock:
-                applied = self._apply(sig, model)
-                if applied is not None:
-                    self._anchors[sig.source] = (sig.seq, sig.batch.ts)
-            if applied is None:
-                return
-            self.metrics.observe_batch(sig.source, sig.batch.ts)
-            self.feed.publish("batch", {
-                "engine": sig.source, "seq": sig.seq, "replayed": sig.replayed,
-                "stored": applied.stored_blocks, "removed": applied.removed_blocks,
-                "cleared": applied.cleared,
-            })
         elif isinstance(sig, PublisherRestarted):
             with self._apply_lock:
                 self.index.drop_engine(sig.source)
@@ -445,70 +438,55 @@ class Aggregator:
         })
 
     def _apply_group(self, sig: BatchesReceived, model: str | None) -> ApplyStats | None:
-        """:meth:`_apply` for a group. While an engine is rebuilt after a failure its
-        batches go one by one through the isolating path; otherwise the group applies
-        in one call, and a failure marks the group's last seq as the one to rebuild
-        event by event up to (which batch failed is not known)."""
+        """Apply a group of consecutive batches; never raises. Returns the stats, or None
+        when the group was not applied as a whole.
+
+        A group that raises leaves the engine's state unknown (part of it may be
+        applied), so the engine is dropped and rebuilt from replay, this time event by
+        event up to the group's last seq (which batch failed is not known): a bad event
+        is counted by its kind and skipped, the rest of its batch applies. Past that seq
+        batches apply whole again."""
         careful = self._careful.get(sig.source)
-        if careful is not None:
-            total = ApplyStats()
-            for seq, batch in zip(sig.seqs, sig.batches):
-                st = self._apply(BatchReceived(sig.source, seq, batch, sig.replayed), model)
-                if st is None:
-                    return None
-                total.stored_blocks += st.stored_blocks
-                total.removed_blocks += st.removed_blocks
-                total.cleared += st.cleared
-            return total
+        seqs, batches = sig.seqs, sig.batches
+        rebuilt = None
+        if careful is not None and careful[1]:  # rebuilding, after the resync
+            upto = careful[0]
+            rebuilt = ApplyStats()
+            for seq, batch in zip(seqs, batches):
+                if seq <= upto:
+                    _add_stats(rebuilt, self._apply_each(sig.source, batch, model))
+            seqs = [q for q in seqs if q > upto]
+            batches = batches[len(batches) - len(seqs):]
+            if not seqs:
+                return rebuilt
+            del self._careful[sig.source]  # rebuilt past the failure: back to batches
         try:
-            return self.index.apply_batches(sig.source, sig.batches, model=model)
+            stats = self.index.apply_batches(sig.source, batches, model=model)
         except Exception as exc:
-            last = sig.seqs[-1]
             self._count_apply_error(sig.source, type(exc).__name__)
             log.warning("engine %s: applying batches seq %d-%d failed (%s: %s); rebuilding the "
-                        "engine event by event", sig.source, sig.seqs[0], last,
+                        "engine event by event", sig.source, seqs[0], seqs[-1],
                         type(exc).__name__, exc)
-            self._careful[sig.source] = [last, False]
-            self._subscriber.resync(sig.source, f"apply failed at seq {sig.seqs[0]}-{last}")
+            self._careful[sig.source] = [seqs[-1], False]
+            self._subscriber.resync(sig.source, f"apply failed at seq {seqs[0]}-{seqs[-1]}")
             return None
+        if rebuilt is not None:
+            _add_stats(stats, rebuilt)
+        return stats
 
     def _count_apply_error(self, engine: str, kind: str) -> None:
         key = (engine, kind)
         self.apply_errors[key] = self.apply_errors.get(key, 0) + 1
 
-    def _apply(self, sig: BatchReceived, model: str | None) -> ApplyStats | None:
-        """Apply one batch; never raises. A batch that raises leaves the engine's state
-        unknown (part of it may be applied), so the engine is dropped and rebuilt from
-        replay, this time event by event up to the failing seq: the bad event is counted
-        by its kind and skipped, the rest of its batch applies. Returns the stats, or
-        None when the batch was not applied as a whole."""
-        careful = self._careful.get(sig.source)
-        if careful is not None and careful[1] and sig.seq > careful[0]:
-            del self._careful[sig.source]  # rebuilt past the failure: back to batches
-            careful = None
-        if careful is not None and careful[1]:
-            return self._apply_each(sig, model)
-        try:
-            return self.index.apply_batch(sig.source, sig.batch, model=model)
-        except Exception as exc:
-            self._count_apply_error(sig.source, type(exc).__name__)
-            log.warning("engine %s: applying batch seq %d failed (%s: %s); rebuilding the engine "
-                        "event by event", sig.source, sig.seq, type(exc).__name__, exc)
-            self._careful[sig.source] = [sig.seq, False]
-            self._subscriber.resync(sig.source, f"apply failed at seq {sig.seq}")
-            return None
-
-    def _apply_each(self, sig: BatchReceived, model: str | None) -> ApplyStats:
+    def _apply_each(self, engine: str, batch: KVEventBatch, model: str | None) -> ApplyStats:
         """The slow, isolating path (only while rebuilding after a failure)."""
         total = ApplyStats()
-        for ev in sig.batch.events:
-            one = KVEventBatch(sig.batch.ts, [ev], sig.batch.data_parallel_rank)
+        for ev in batch.events:
+            one = KVEventBatch(batch.ts, [ev], batch.data_parallel_rank)
             try:
-                st = self.index.apply_batch(sig.source, one, model=model)
+                st = self.index.apply_batch(engine, one, model=model)
             except Exception:
-                self._count_apply_error(sig.source, type(ev).__name__)
+                self._count_apply_error(engine, type(ev).__name__)
                 continue
-            total.stored_blocks += st.stored_blocks
-            total.removed_blocks += st.removed_blocks
-            total.cleared += st.cleared
+            _add_stats(total, st)
         return total

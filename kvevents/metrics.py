@@ -142,12 +142,9 @@ class AggregatorMetrics:
             self._models = frozenset(s.model for s in self._view.engine_specs() if s.model)
         return model if model in self._models else ""
 
-    def observe_batch(self, engine: str, batch_ts: float) -> None:
-        self.event_lag.observe(engine, self._model_of, time.time() - batch_ts)
-
     def observe_batches(self, engine: str, batches: list[KVEventBatch]) -> None:
         """The lag of each of ``batches`` (applied just now), in one call."""
-        self.event_lag.observe_many(engine, self._model_of, time.time(), batches)
+        self.event_lag.observe(engine, self._model_of, time.time(), batches)
 
     def observe_lookup(self, api: str, seconds: float, result: LookupResult,
                        model: str | None = None) -> None:
@@ -194,14 +191,9 @@ class _LagHistogram(Collector):
                                             [0] * (len(_LAG_BUCKETS) + 1), 0.0]
         return entry
 
-    def observe(self, engine: str, model_of: Callable[[str], str], lag: float) -> None:
-        entry = self._entry(engine, model_of)
-        lag = max(0.0, lag)
-        entry[1][bisect_left(_LAG_BUCKETS, lag)] += 1
-        entry[2] += lag
-
-    def observe_many(self, engine: str, model_of: Callable[[str], str], now: float,
-                     batches: list[KVEventBatch]) -> None:
+    def observe(self, engine: str, model_of: Callable[[str], str], now: float,
+                batches: list[KVEventBatch]) -> None:
+        """Each of ``batches``' lag: ``now`` minus its timestamp."""
         entry = self._entry(engine, model_of)
         counts = entry[1]
         total = 0.0
@@ -216,10 +208,14 @@ class _LagHistogram(Collector):
     def forget(self, engine: str) -> None:
         self._series.pop(engine, None)
 
+    @staticmethod
+    def _family() -> HistogramMetricFamily:
+        return HistogramMetricFamily("kvevents_event_lag_seconds",
+                                     "Time from a batch's timestamp to its application",
+                                     labels=ENGINE_LABELS)
+
     def collect(self) -> Iterator[Metric]:
-        fam = HistogramMetricFamily("kvevents_event_lag_seconds",
-                                    "Time from a batch's timestamp to its application",
-                                    labels=ENGINE_LABELS)
+        fam = self._family()
         for labels, counts, total in list(self._series.values()):
             cumulative, buckets = 0, []
             for bound, n in zip((*_LAG_BUCKETS, float("inf")), list(counts)):
@@ -229,9 +225,7 @@ class _LagHistogram(Collector):
         yield fam
 
     def describe(self) -> Iterator[Metric]:
-        yield HistogramMetricFamily("kvevents_event_lag_seconds",
-                                    "Time from a batch's timestamp to its application",
-                                    labels=ENGINE_LABELS)
+        yield self._family()
 
 
 class _StateCollector(Collector):

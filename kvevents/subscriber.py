@@ -360,6 +360,8 @@ class Subscriber:
                 log.warning("receive on %s socket of %s failed: %s", role, src.config.name, exc)
             if msgs:
                 hot.append(sock)
+                if role != "monitor":
+                    src.stats.last_received = time.time()  # once per drain, not per message
             # Progress is liveness: a long drain of a busy publisher is not "stuck".
             self.heartbeat = time.monotonic()
             for frames in msgs:
@@ -554,7 +556,6 @@ class Subscriber:
     # -- live path ---------------------------------------------------------------------
 
     def _on_live(self, src: SourceState, frames: list[bytes]) -> None:
-        src.stats.last_received = time.time()
         if len(frames) != 3:
             src.stats.malformed_frames += 1
             return
@@ -840,7 +841,6 @@ class Subscriber:
     def _deliver(self, src: SourceState, seq: int, payload: bytes, *, replayed: bool) -> None:
         src.expected = seq + 1
         src.stream_high = seq
-        src.stats.last_received = time.time()
         src.digests.add(seq, payload)
         try:
             result = self._decoder.decode(payload)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -289,15 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                         offloaded_block_size=args.offloaded_block_size, events=args.events,
                         replay=args.replay, gpu_blocks=args.gpu_blocks, max_model_len=args.max_model_len)
     server = EngineServer(engine, f"tcp://127.0.0.1:{args.rpc_port}")
-
-    def _stop(*_: object) -> None:
-        server.running = False
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(f"READY {args.name} (engine started in {engine.startup_s:.1f} s)", flush=True)
-    server.serve()
-    return 0
+    return server.serve_until_signalled(
+        f"READY {args.name} (engine started in {engine.startup_s:.1f} s)")
 
 
 if __name__ == "__main__":

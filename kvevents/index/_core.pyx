@@ -612,22 +612,12 @@ cdef class Core:
 
     # ------------------------------------------------------------------ ingest
 
-    def apply(self, int pid, list events, model):
-        """Apply one batch's events for pod ``pid`` in order; returns its
-        :class:`~kvevents.index.ApplyStats` and adds them to the pod's cumulative
-        counters (read with :meth:`pod_counters`), even when an error escapes."""
-        self._reset_batch_counters()
-        try:
-            self._apply_events(pid, events, model)
-        finally:
-            stored, removed, refused = self._accumulate(pid)
-        return ApplyStats(self.c_events, stored, removed, self.c_cleared, self.c_unknown,
-                          self.c_orphans, self.c_ignored, refused)
-
     def apply_batches(self, int pid, list batches, model):
-        """:meth:`apply` for several consecutive batches of pod ``pid`` (objects with an
-        ``events`` list), in order, in one call; the stats are their sum. An error
-        escapes after the batches before it (and part of its own) were applied."""
+        """Apply consecutive batches of pod ``pid`` (objects with an ``events`` list),
+        each event in order, in one call. Returns their summed
+        :class:`~kvevents.index.ApplyStats` and adds them to the pod's cumulative
+        counters (read with :meth:`pod_counters`), even when an error escapes (after
+        the batches before it, and part of its own, were applied)."""
         self._reset_batch_counters()
         try:
             for b in batches:

@@ -145,15 +145,7 @@ class PrefixIndex:
         should always be fed with the same model. Never raises on event content: bad
         events are refused and counted, the rest apply.
         """
-        with self.lock:
-            pid = self._engines.get(engine)
-            if pid is None:
-                pid, salt = self._engines.add(engine)
-                self._core.ensure_pod(pid, salt)
-            stats = self._core.apply(pid, batch.events, model)
-            if stats.refused_events:
-                self._log_refusal(engine)
-        return stats
+        return self.apply_batches(engine, [batch], model)
 
     def apply_batches(
         self, engine: str, batches: list[KVEventBatch], model: str | None = None

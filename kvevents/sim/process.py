@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -145,15 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     server = EngineServer(parse_args(argv))
-
-    def _stop(*_: object) -> None:
-        server.running = False
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(f"READY {server.name}", flush=True)
-    server.serve()
-    return 0
+    return server.serve_until_signalled(f"READY {server.name}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ changes nothing; the loop goes on.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import msgspec
@@ -67,6 +68,18 @@ class EngineRpc:
         except (KeyError, ValueError, TypeError) as exc:
             # A rejected submit names its request, so the client can account for it.
             self.reply(ident, {"op": "error", "id": msg.get("id"), "error": f"{op}: {exc}"})
+
+    def serve_until_signalled(self, ready_line: str) -> int:
+        """A process's main loop: SIGTERM/SIGINT end it like a ``stop`` request; prints
+        ``ready_line`` (what the parent waits for) once the socket is bound. Returns 0."""
+        def _stop(*_: object) -> None:
+            self.running = False
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        print(ready_line, flush=True)
+        self.serve()
+        return 0
 
     def serve(self) -> None:
         poller = zmq.Poller()
