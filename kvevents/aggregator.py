@@ -44,6 +44,7 @@ from kvevents.feed import EventFeed
 from kvevents.ingest import ratelog
 from kvevents.ingest.budget import Budget, make_context, plan_budget
 from kvevents.index import ApplyStats, LookupResult, PrefixIndex
+from kvevents.index.wire import IngestDecoder
 from kvevents.metrics import AggregatorMetrics
 from kvevents.router import KVAwarePolicy
 from kvevents.schema import KVEventBatch
@@ -113,7 +114,8 @@ class Aggregator:
             self._on_signal, replay_timeout=settings.replay_timeout_s,
             replay_deadline=settings.replay_deadline_s, seq_window=settings.seq_window,
             max_pending_bytes=settings.max_pending_bytes, recv_hwm=settings.recv_hwm,
-            context=self._zmq, raw_tokens=True,  # the index reads token ids in place
+            context=self._zmq,
+            decoder=IngestDecoder(),  # common batches stay bytes: the index reads them in place
             group_batches=True,  # one lock, core call, metric and feed item per drain
         )
         # (engine, kind) -> count of exceptions while applying (kind: exception or event type).

@@ -49,6 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -67,6 +68,13 @@ from kvevents.ingest.signals import (
 from kvevents.ingest.source import SourceConfig, SourceStats, SourceState
 from kvevents.schema import BatchDecoder, DecodeResult, PayloadError, peek_batch_ts
 from kvevents.transport import END_SEQ, pack_seq, unpack_seq
+
+
+class PayloadDecoder(Protocol):
+    """What turns a payload into a batch: :class:`~kvevents.schema.BatchDecoder`'s
+    ``decode`` (raises :class:`~kvevents.schema.PayloadError` for a non-batch)."""
+
+    def decode(self, payload: bytes) -> DecodeResult: ...
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +175,7 @@ class Subscriber:
         raw_tokens: bool = False,
         compiled_recv: bool = True,
         group_batches: bool = False,
+        decoder: PayloadDecoder | None = None,
     ) -> None:
         """``raw_tokens``: deliver stored events with their token ids left as raw msgpack
         (see :class:`~kvevents.schema.BatchDecoder`): for consumers that only feed the
@@ -175,7 +184,9 @@ class Subscriber:
         pyzmq; both give the same messages). ``group_batches``: deliver consecutive
         batches of one source taken in one drain of its socket as one
         :class:`BatchesReceived` instead of one :class:`BatchReceived` each (a source's
-        stats then show them once they were delivered)."""
+        stats then show them once they were delivered). ``decoder``: decodes each
+        payload instead of ``BatchDecoder(raw_tokens=raw_tokens)`` (the aggregator's
+        keeps common batches as bytes for the index: see ``kvevents.index.wire``)."""
         self._consumer = consumer
         self._drain = _DRAIN if compiled_recv else _drain_python
         self._group_batches = group_batches
@@ -194,7 +205,7 @@ class Subscriber:
         self._recv_hwm = recv_hwm
         self._max_message_bytes = max_message_bytes
         self._ctx = context or zmq.Context.instance()
-        self._decoder = BatchDecoder(raw_tokens=raw_tokens)
+        self._decoder: PayloadDecoder = decoder or BatchDecoder(raw_tokens=raw_tokens)
         self._sources: dict[str, SourceState] = {}
         self._poller = zmq.Poller()
         # socket -> (source, role); role is "live", "replay" or "monitor".

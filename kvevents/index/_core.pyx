@@ -32,7 +32,7 @@ counted by reason; the rest of its batch applies. Memory errors propagate.
 
 from libc.stdint cimport uint64_t, int64_t, uint32_t, int32_t, uint16_t, uint8_t, int8_t
 from libc.stdlib cimport malloc, calloc, realloc, free, qsort
-from libc.string cimport memset, memcpy
+from libc.string cimport memset, memcpy, memcmp
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLongMask
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
@@ -44,7 +44,8 @@ import hashlib
 
 import msgspec
 
-from ..schema import AllBlocksCleared, BlockRemoved, BlockStored, RawTokensBlockStored
+from ..schema import (AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored,
+                      RawTokensBlockStored)
 from .results import ApplyStats
 
 # Tokens of a sequence's first HEAD_TOKENS tokens are kept (for display); blocks larger
@@ -83,6 +84,8 @@ DEF NC = 4 * MAX_TIERS + 4 + N_REASONS
 
 DEF F_SIGNED = 1      # the pod sent negative int hashes: report them signed
 DEF F_UNMAPPED = 2    # the pod may hold slots its hash table no longer points at
+
+include "_wire.pxi"
 
 cdef uint64_t _M = 0x9E3779B97F4A7C15ULL
 cdef uint64_t _P1 = 0xD6E8FEB86659FD93ULL
@@ -213,6 +216,12 @@ cdef class Core:
     cdef public int max_namespaces, max_namespaces_per_pod, max_tiers, max_block_sizes
     cdef public dict block_sizes      # (model, lora) -> block sizes in use (lookups try each)
     cdef public object last_refusal   # (reason, detail) of the latest refusal, for logs
+    # The wire path's per-call caches (apply_batches resets them): medium bytes -> tier
+    # id, and the namespace of (the call's model, block size ``wns_bs``, no LoRA).
+    cdef char wmed[4][16]
+    cdef int wmed_len[4]
+    cdef int wmed_tier[4]
+    cdef int wmed_n, wnil_tier, wns, wns_bs
 
     def __cinit__(self):
         self.cap = 0
@@ -613,15 +622,21 @@ cdef class Core:
     # ------------------------------------------------------------------ ingest
 
     def apply_batches(self, int pid, list batches, model):
-        """Apply consecutive batches of pod ``pid`` (objects with an ``events`` list),
-        each event in order, in one call. Returns their summed
+        """Apply consecutive batches of pod ``pid`` (objects with an ``events`` list, or
+        :class:`WireBatch`, read in place), each event in order, in one call. Returns their summed
         :class:`~kvevents.index.ApplyStats` and adds them to the pod's cumulative
         counters (read with :meth:`pod_counters`), even when an error escapes (after
         the batches before it, and part of its own, were applied)."""
         self._reset_batch_counters()
+        self.wmed_n = 0
+        self.wnil_tier = -1
+        self.wns_bs = 0
         try:
             for b in batches:
-                self._apply_events(pid, <list?>b.events, model)
+                if type(b) is WireBatch:
+                    self._apply_wire(pid, (<WireBatch>b).payload, model)
+                else:
+                    self._apply_events(pid, <list?>b.events, model)
         finally:
             stored, removed, refused = self._accumulate(pid)
         return ApplyStats(self.c_events, stored, removed, self.c_cleared, self.c_unknown,
@@ -778,17 +793,27 @@ cdef class Core:
             xd = <uint64_t*>malloc(n * sizeof(uint64_t))
             if xd == NULL:
                 raise MemoryError()
-            try:
+        try:
+            if has_extra:
                 for i in range(n):
                     xd[i] = obj_hash(extra[i], 0) if i < len(<list>extra) and extra[i] is not None else 0
-            except BaseException:
-                free(xd)
-                raise
-        cdef uint64_t k, prev
+            self._chain(pid, ns, tier, n, bs, parent is not None, ph, xd)
+        finally:
+            free(xd)
+        return 1
+
+    cdef int _chain(self, int pid, int ns, int tier, int64_t n, int64_t bs, bint has_parent,
+                    uint64_t ph, const uint64_t* xd) except -1:
+        """Store the chain of ``n`` blocks whose engine hashes are in ``self.sh`` and
+        tokens in ``self.stok`` (``bs`` each), under engine parent hash ``ph`` (when
+        ``has_parent``) and per-block extra-key digests ``xd`` (NULL: none): both event
+        readers end here, with everything checked."""
+        cdef uint64_t k, prev, row
         cdef uint32_t d
-        cdef int32_t ps, s
+        cdef int32_t ps, s, old
+        cdef int64_t i
         cdef Table* pm = &self.pmaps[pid]
-        if parent is None:
+        if not has_parent:
             prev, d = self.ns_root[ns], 1
         else:
             ps = table_get(pm, ph)
@@ -802,8 +827,6 @@ cdef class Core:
                 d = 0
         if d == 0:
             self.c_orphans += n
-        cdef int32_t old
-        cdef uint64_t row
         for i in range(n):
             row = row_hash(self.stok + i * bs, bs)
             if xd != NULL and xd[i]:
@@ -822,10 +845,9 @@ cdef class Core:
             prev = k
             if d:
                 d = d + 1 if d < 0xFFFFFFFE else d
-        free(xd)
         self.c_st_ev[tier] += 1
         self.c_st_bl[tier] += n
-        return 1
+        return 0
 
     cdef int _stored_tokenless(self, int pid, object model, object lora, int tier,
                                int64_t n) except -1:
@@ -860,8 +882,13 @@ cdef class Core:
     cdef int _removed(self, int pid, object ev) except -1:
         cdef int tier, keep
         cdef int64_t n = self._event_hashes(pid, ev, &tier, &keep)
-        if n == 0:
-            return 0
+        if n:
+            self._unref(pid, tier, n)
+        return 0
+
+    cdef int _unref(self, int pid, int tier, int64_t n) except -1:
+        """Remove one reference of pod ``pid`` in ``tier`` from each of the ``n`` blocks
+        whose engine hashes are in ``self.sh`` (both event readers end here)."""
         cdef Table* pm = &self.pmaps[pid]
         cdef int64_t i
         cdef int32_t s
@@ -882,6 +909,80 @@ cdef class Core:
         self.c_rm_ev[tier] += 1
         self.c_rm_bl[tier] += n
         return 0
+
+    cdef int _apply_wire(self, int pid, bytes payload, object model) except -1:
+        """Apply a :class:`WireBatch`'s events straight from its bytes: what
+        :meth:`_apply_events` does with the decoded events, through the same
+        :meth:`_chain` / :meth:`_unref` (``scan`` accepted the bytes, so every event is
+        of the common shape: only tier and namespace caps can refuse one)."""
+        cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(payload)
+        cdef Py_ssize_t end = PyBytes_GET_SIZE(payload)
+        cdef double ts
+        cdef int64_t n_items, n_events, i, j
+        cdef WEvent ev
+        cdef Py_ssize_t q, pos = _w_batch(p, end, &ts, &n_items, &n_events)
+        cdef int tier, ns
+        cdef bint neg = False
+        for i in range(n_events):
+            pos = _w_event(p, pos, end, &ev) if pos >= 0 else -1
+            if pos < 0:
+                raise ValueError("a WireBatch whose bytes scan does not accept")
+            self.c_events += 1
+            if not ev.feeds:
+                self.c_ignored += 1
+                continue
+            if ev.kind == EV_CLEARED:
+                self.clear_pod(pid)
+                self.c_cleared += 1
+                continue
+            if ev.n == 0:
+                continue
+            tier = self._wire_tier(p, ev.mpos, ev.mlen)
+            if tier < 0:
+                medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
+                self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
+                continue
+            self._scratch(ev.n, ev.n * ev.bs if ev.kind == EV_STORED else 0)
+            q = ev.hpos
+            for j in range(ev.n):
+                q = _w_int(p, q, end, self.sh + j, &neg)
+                if neg:
+                    self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
+            if ev.kind == EV_REMOVED:
+                self._unref(pid, tier, ev.n)
+                continue
+            q = ev.tpos
+            for j in range(ev.n * ev.bs):
+                q = _w_i64(p, q, end, self.stok + j)
+            if ev.has_parent and ev.parent_neg:
+                self.pflags[pid] |= F_SIGNED
+            if self.wns_bs != ev.bs:
+                ns = self._namespace(pid, model, ev.bs, None)
+                if ns < 0:
+                    self.c_refused[R_NS_LIMIT] += 1
+                    continue
+                self.wns, self.wns_bs = ns, ev.bs
+            self._chain(pid, self.wns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL)
+        return 0
+
+    cdef int _wire_tier(self, const uint8_t* p, Py_ssize_t mpos, Py_ssize_t mlen) except -2:
+        """:meth:`tier` of a medium given as bytes (``mpos`` -1: none, GPU), through the
+        call's cache."""
+        cdef int i, t
+        if mpos < 0:
+            if self.wnil_tier < 0:
+                self.wnil_tier = self.tier(None)
+            return self.wnil_tier
+        for i in range(self.wmed_n):
+            if self.wmed_len[i] == mlen and memcmp(self.wmed[i], p + mpos, mlen) == 0:
+                return self.wmed_tier[i]
+        t = self.tier(p[mpos:mpos + mlen].decode("ascii"))
+        if t >= 0 and mlen <= 16 and self.wmed_n < 4:
+            memcpy(self.wmed[self.wmed_n], p + mpos, mlen)
+            self.wmed_len[self.wmed_n] = <int>mlen
+            self.wmed_tier[self.wmed_n] = t
+            self.wmed_n += 1
+        return t
 
     cpdef int clear_pod(self, int pid) except -1:
         """Forget everything pod ``pid`` holds, in every tier (its table too). Costs

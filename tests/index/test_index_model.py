@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvevents.index import PrefixIndex
+from kvevents.index.wire import IngestDecoder, WireBatch
 from kvevents.schema import (
     AllBlocksCleared,
-    BatchDecoder,
     BatchEncoder,
     BlockRemoved,
     BlockStored,
@@ -25,7 +25,7 @@ from kvevents.schema import (
 )
 
 ENCODER = BatchEncoder()
-RAW_DECODER = BatchDecoder(raw_tokens=True)
+INGEST_DECODER = IngestDecoder()  # the aggregator's: wire batches, else raw token ids
 
 MODELS = {"m1": 4, "m2": 8}  # model -> block size
 LORAS = [None, "lora-a"]
@@ -211,12 +211,15 @@ def test_matches_model_large_random(seed):
 
 
 MATCHED: list[int] = []
+WIRE_BATCHES: list[bool] = []  # per raw-path batch: did it take the wire reader?
 
 
 def test_large_random_workloads_matched_something():
     # Guards the generator above against silently testing nothing.
     if len(MATCHED) == 40:
         assert sum(1 for m in MATCHED if m) >= 20
+        # Both of the aggregator's readers were exercised (wire, and decoded).
+        assert sum(WIRE_BATCHES) >= 100 and WIRE_BATCHES.count(False) >= 100
 
 
 def run_workload(shared, tails, ops, bytes_engines, shared_seed, batch_split,
@@ -246,8 +249,10 @@ def run_workload(shared, tails, ops, bytes_engines, shared_seed, batch_split,
         if pending[engine]:
             batch = KVEventBatch(0.0, pending[engine])
             if raw_tokens:
-                # The aggregator's path: bytes -> ingest decoder (raw token arrays).
-                batch = RAW_DECODER.decode(ENCODER.encode(batch)).batch
+                # The aggregator's path: bytes -> its decoder (common batches stay bytes
+                # for the core's wire reader; the others keep raw token arrays).
+                batch = INGEST_DECODER.decode(ENCODER.encode(batch)).batch
+                WIRE_BATCHES.append(type(batch) is WireBatch)
             idx.apply_batch(engine, batch, model=engine_model.get(engine))
             pending[engine] = []
 

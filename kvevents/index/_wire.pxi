@@ -1,0 +1,464 @@
+# Included by _core.pyx: the compiled reader of the common shape of vLLM's wire batch.
+#
+# Why: decoding a batch with msgspec builds a Python object per event, per hash list
+# and per field, and the core then reads them back attribute by attribute; on a stream
+# of small decode-step batches that was a third of the aggregator's ingest thread.
+# This reader walks the msgpack bytes instead, twice: ``scan`` (when the subscriber
+# receives a payload) checks that the whole batch is of the common shape and reads its
+# ``ts``; ``Core._apply_wire`` (under the index lock) reads each event again and
+# applies it straight from the bytes.
+#
+# The common shape, and nothing else, is read here: ``[ts, [event, ...], dp_rank?]``
+# with map-encoded events (``"type"`` first), int block hashes, an int array of token
+# ids covering every block, ``lora_id`` / ``lora_name`` / ``extra_keys`` absent or nil
+# (``extra_keys`` may be a list of nils) and ASCII strings. Anything else (legacy array
+# events, bytes hashes, LoRA, extra keys, token-less stores, unknown event types, odd
+# values in fields nobody reads, malformed bytes) makes ``scan`` return None and the
+# batch takes the general path (``schema.BatchDecoder`` + ``Core._apply_events``),
+# which defines the semantics: a batch this reader accepts must decode there to the
+# same events (tests/test_wire.py checks both paths give identical index states,
+# counters and refusals, on generated and mutated payloads).
+#
+# All readers below are bounded by ``end`` and return -1 ("not the common shape") on
+# anything unexpected, including truncation; they never read past the buffer.
+
+DEF EV_STORED = 1
+DEF EV_REMOVED = 2
+DEF EV_CLEARED = 3
+DEF MAX_SKIP_DEPTH = 16
+
+ctypedef struct WEvent:
+    int kind
+    bint feeds              # full attention (what prefix matching uses)
+    Py_ssize_t hpos         # first element of block_hashes
+    int64_t n               # number of block hashes
+    bint has_parent
+    bint parent_neg
+    uint64_t parent
+    Py_ssize_t tpos         # first element of token_ids
+    int64_t n_tok
+    int64_t bs
+    Py_ssize_t mpos         # medium's bytes (-1: nil or absent = GPU)
+    Py_ssize_t mlen
+
+
+cdef inline Py_ssize_t _w_len(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, uint8_t fix_lo,
+                              uint8_t fix_mask, uint8_t b16, uint8_t b32, uint8_t b8,
+                              int64_t* n) noexcept nogil:
+    """A container or string header: the position after it, count in ``n``; -1 when
+    the byte at ``pos`` is not one (``b8`` 0 = no 8-bit length form)."""
+    cdef uint8_t b
+    if pos >= end:
+        return -1
+    b = p[pos]
+    if (b & ~fix_mask) == fix_lo:
+        n[0] = b & fix_mask
+        return pos + 1
+    if b8 and b == b8:
+        if pos + 2 > end:
+            return -1
+        n[0] = p[pos + 1]
+        return pos + 2
+    if b == b16:
+        if pos + 3 > end:
+            return -1
+        n[0] = _be(p + pos + 1, 2)
+        return pos + 3
+    if b == b32:
+        if pos + 5 > end:
+            return -1
+        n[0] = _be(p + pos + 1, 4)
+        return pos + 5
+    return -1
+
+
+cdef inline Py_ssize_t _w_array(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, int64_t* n) noexcept nogil:
+    return _w_len(p, pos, end, 0x90, 0x0F, 0xDC, 0xDD, 0, n)
+
+
+cdef inline Py_ssize_t _w_map(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, int64_t* n) noexcept nogil:
+    return _w_len(p, pos, end, 0x80, 0x0F, 0xDE, 0xDF, 0, n)
+
+
+cdef inline Py_ssize_t _w_str(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t* spos,
+                              Py_ssize_t* slen) noexcept nogil:
+    """An ASCII string: its bytes' position and length; -1 when not a string, truncated
+    or not ASCII (UTF-8 validation is left to the general path)."""
+    cdef int64_t n
+    cdef Py_ssize_t q = _w_len(p, pos, end, 0xA0, 0x1F, 0xDA, 0xDB, 0xD9, &n)
+    cdef Py_ssize_t i
+    if q < 0 or n > end - q:
+        return -1
+    for i in range(q, q + n):
+        if p[i] >= 0x80:
+            return -1
+    spos[0] = q
+    slen[0] = n
+    return q + n
+
+
+cdef inline Py_ssize_t _w_int(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, uint64_t* v,
+                              bint* neg) noexcept nogil:
+    """Any msgpack int, as its 64 bits (two's complement for negatives)."""
+    cdef uint8_t b
+    cdef int k
+    cdef uint64_t u
+    if pos >= end:
+        return -1
+    b = p[pos]
+    if b <= 0x7F:
+        v[0] = b
+        neg[0] = False
+        return pos + 1
+    if b >= 0xE0:
+        v[0] = <uint64_t><int64_t><int8_t>b
+        neg[0] = True
+        return pos + 1
+    if 0xCC <= b <= 0xCF:
+        k = 1 << (b - 0xCC)
+        if pos + 1 + k > end:
+            return -1
+        v[0] = _be(p + pos + 1, k)
+        neg[0] = False
+        return pos + 1 + k
+    if 0xD0 <= b <= 0xD3:
+        k = 1 << (b - 0xD0)
+        if pos + 1 + k > end:
+            return -1
+        u = _be(p + pos + 1, k)
+        if k < 8 and (u >> (8 * k - 1)) & 1:
+            u |= ~((<uint64_t>1 << (8 * k)) - 1)  # sign-extend
+        v[0] = u
+        neg[0] = <int64_t>u < 0
+        return pos + 1 + k
+    return -1
+
+
+cdef inline Py_ssize_t _w_i64(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, int64_t* v) noexcept nogil:
+    """An int in the int64 range (a uint64 above it is -1)."""
+    cdef uint64_t u
+    cdef bint neg
+    pos = _w_int(p, pos, end, &u, &neg)
+    if pos < 0 or (not neg and u > <uint64_t>0x7FFFFFFFFFFFFFFF):
+        return -1
+    v[0] = <int64_t>u
+    return pos
+
+
+cdef Py_ssize_t _w_skip(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, int depth) noexcept nogil:
+    """Past one value of a field nobody reads. Conservative: ext types, non-ASCII
+    strings, non-string map keys and deep nesting are left to the general path (whose
+    ``Any`` fields build Python objects from them, and may refuse some)."""
+    cdef uint8_t b
+    cdef int64_t n, i
+    cdef int k
+    cdef uint64_t u
+    cdef bint neg
+    cdef Py_ssize_t s, sl
+    if pos >= end or depth > MAX_SKIP_DEPTH:
+        return -1
+    b = p[pos]
+    if b <= 0x7F or b >= 0xE0 or 0xCC <= b <= 0xD3:
+        return _w_int(p, pos, end, &u, &neg)
+    if b == 0xC0 or b == 0xC2 or b == 0xC3:
+        return pos + 1
+    if b == 0xCA:
+        return pos + 5 if pos + 5 <= end else -1
+    if b == 0xCB:
+        return pos + 9 if pos + 9 <= end else -1
+    if (0xA0 <= b <= 0xBF) or 0xD9 <= b <= 0xDB:
+        return _w_str(p, pos, end, &s, &sl)
+    if 0xC4 <= b <= 0xC6:
+        k = 1 << (b - 0xC4)
+        if pos + 1 + k > end:
+            return -1
+        n = _be(p + pos + 1, k)
+        if n > end - (pos + 1 + k):
+            return -1
+        return pos + 1 + k + n
+    if (0x90 <= b <= 0x9F) or b == 0xDC or b == 0xDD:
+        pos = _w_array(p, pos, end, &n)
+        if n > end - pos:
+            return -1
+        for i in range(n):
+            pos = _w_skip(p, pos, end, depth + 1)
+            if pos < 0:
+                return -1
+        return pos
+    if (0x80 <= b <= 0x8F) or b == 0xDE or b == 0xDF:
+        pos = _w_map(p, pos, end, &n)
+        if n > end - pos:
+            return -1
+        for i in range(n):
+            pos = _w_str(p, pos, end, &s, &sl)
+            if pos < 0:
+                return -1
+            pos = _w_skip(p, pos, end, depth + 1)
+            if pos < 0:
+                return -1
+        return pos
+    return -1  # ext types, 0xC1
+
+
+cdef inline Py_ssize_t _w_nil_or_int(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, bint* present,
+                                     uint64_t* v, bint* neg) noexcept nogil:
+    if pos < end and p[pos] == 0xC0:
+        present[0] = False
+        return pos + 1
+    present[0] = True
+    return _w_int(p, pos, end, v, neg)
+
+
+cdef inline Py_ssize_t _w_nil_or_str(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, Py_ssize_t* spos,
+                                     Py_ssize_t* slen) noexcept nogil:
+    if pos < end and p[pos] == 0xC0:
+        spos[0] = -1
+        slen[0] = 0
+        return pos + 1
+    return _w_str(p, pos, end, spos, slen)
+
+
+cdef inline bint _w_is(const uint8_t* p, Py_ssize_t spos, Py_ssize_t slen, const char* name,
+                       Py_ssize_t nlen) noexcept nogil:
+    return slen == nlen and memcmp(p + spos, name, nlen) == 0
+
+
+# Field bits (one per field name, to require fields and refuse duplicates).
+DEF K_HASHES = 1
+DEF K_PARENT = 2
+DEF K_TOKENS = 4
+DEF K_BS = 8
+DEF K_LORA_ID = 16
+DEF K_MEDIUM = 32
+DEF K_LORA_NAME = 64
+DEF K_EXTRA = 128
+DEF K_GROUP = 256
+DEF K_KIND = 512
+DEF K_WINDOW = 1024
+DEF K_LOCALITY = 2048
+DEF K_OWNERSHIP = 4096
+DEF K_SESSION = 8192
+# The fields each event type has (other keys are ignored, as msgspec does).
+DEF F_OF_STORED = 16383
+DEF F_OF_REMOVED = K_HASHES | K_MEDIUM | K_GROUP | K_LOCALITY | K_OWNERSHIP
+
+
+cdef int _w_field(const uint8_t* p, Py_ssize_t spos, Py_ssize_t slen) noexcept nogil:
+    """The field bit of a key, 0 for a name that is no field."""
+    if _w_is(p, spos, slen, b"block_hashes", 12): return K_HASHES
+    if _w_is(p, spos, slen, b"parent_block_hash", 17): return K_PARENT
+    if _w_is(p, spos, slen, b"token_ids", 9): return K_TOKENS
+    if _w_is(p, spos, slen, b"block_size", 10): return K_BS
+    if _w_is(p, spos, slen, b"lora_id", 7): return K_LORA_ID
+    if _w_is(p, spos, slen, b"medium", 6): return K_MEDIUM
+    if _w_is(p, spos, slen, b"lora_name", 9): return K_LORA_NAME
+    if _w_is(p, spos, slen, b"extra_keys", 10): return K_EXTRA
+    if _w_is(p, spos, slen, b"group_idx", 9): return K_GROUP
+    if _w_is(p, spos, slen, b"kv_cache_spec_kind", 18): return K_KIND
+    if _w_is(p, spos, slen, b"kv_cache_spec_sliding_window", 28): return K_WINDOW
+    if _w_is(p, spos, slen, b"locality", 8): return K_LOCALITY
+    if _w_is(p, spos, slen, b"ownership", 9): return K_OWNERSHIP
+    if _w_is(p, spos, slen, b"session_id", 10): return K_SESSION
+    if _w_is(p, spos, slen, b"type", 4): return -1
+    return 0
+
+
+cdef Py_ssize_t _w_event(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, WEvent* ev) noexcept nogil:
+    """One event of the common shape into ``ev``; the position after it, or -1."""
+    cdef int64_t nkeys, j, n
+    cdef Py_ssize_t s, sl, q
+    cdef int f, seen = 0, allowed
+    cdef uint64_t u
+    cdef bint neg, present, has_kind = False, kind_full = False, has_group = False
+    cdef uint64_t group = 0
+    pos = _w_map(p, pos, end, &nkeys)
+    if pos < 0 or nkeys < 1:
+        return -1
+    pos = _w_str(p, pos, end, &s, &sl)
+    if pos < 0 or not _w_is(p, s, sl, b"type", 4):
+        return -1
+    pos = _w_str(p, pos, end, &s, &sl)
+    if pos < 0:
+        return -1
+    if _w_is(p, s, sl, b"BlockStored", 11):
+        ev.kind, allowed = EV_STORED, F_OF_STORED
+    elif _w_is(p, s, sl, b"BlockRemoved", 12):
+        ev.kind, allowed = EV_REMOVED, F_OF_REMOVED
+    elif _w_is(p, s, sl, b"AllBlocksCleared", 16):
+        ev.kind, allowed = EV_CLEARED, 0
+    else:
+        return -1
+    ev.n = ev.n_tok = ev.bs = 0
+    ev.has_parent = ev.parent_neg = False
+    ev.mpos = -1
+    ev.mlen = 0
+    for j in range(1, nkeys):
+        pos = _w_str(p, pos, end, &s, &sl)
+        if pos < 0:
+            return -1
+        f = _w_field(p, s, sl)
+        if f < 0 or (f & seen):
+            return -1  # a repeated key (or a second "type"): the general path decides
+        f &= allowed
+        seen |= f
+        if f == 0:
+            pos = _w_skip(p, pos, end, 0)
+        elif f == K_HASHES:
+            pos = _w_array(p, pos, end, &n)
+            if pos < 0 or n > end - pos:
+                return -1
+            ev.hpos = pos
+            ev.n = n
+            while n > 0:
+                pos = _w_int(p, pos, end, &u, &neg)
+                if pos < 0:
+                    return -1  # bytes hashes and anything else: the general path
+                n -= 1
+        elif f == K_PARENT:
+            pos = _w_nil_or_int(p, pos, end, &ev.has_parent, &ev.parent, &ev.parent_neg)
+        elif f == K_TOKENS:
+            pos = _w_array(p, pos, end, &n)
+            if pos < 0 or n > end - pos:
+                return -1
+            ev.tpos = pos
+            ev.n_tok = n
+            while n > 0:
+                pos = _w_int(p, pos, end, &u, &neg)
+                if pos < 0 or (not neg and u > <uint64_t>0x7FFFFFFFFFFFFFFF):
+                    return -1
+                n -= 1
+        elif f == K_BS:
+            pos = _w_int(p, pos, end, &u, &neg)
+            if pos < 0 or neg or u == 0 or u >= (<uint64_t>1 << 31):
+                return -1
+            ev.bs = <int64_t>u
+        elif f == K_LORA_ID or f == K_LORA_NAME:
+            if pos >= end or p[pos] != 0xC0:
+                return -1
+            pos += 1
+        elif f == K_MEDIUM:
+            pos = _w_nil_or_str(p, pos, end, &ev.mpos, &ev.mlen)
+        elif f == K_EXTRA:
+            if pos < end and p[pos] == 0xC0:
+                pos += 1
+            else:
+                pos = _w_array(p, pos, end, &n)
+                if pos < 0 or n > end - pos:
+                    return -1
+                while n > 0:
+                    if p[pos] != 0xC0:  # a real extra key (LoRA, multimodal): general path
+                        return -1
+                    pos += 1
+                    n -= 1
+        elif f == K_GROUP:
+            pos = _w_nil_or_int(p, pos, end, &has_group, &group, &neg)
+        elif f == K_KIND:
+            pos = _w_nil_or_str(p, pos, end, &s, &sl)
+            has_kind = s >= 0
+            kind_full = has_kind and _w_is(p, s, sl, b"full_attention", 14)
+        elif f == K_WINDOW:
+            pos = _w_nil_or_int(p, pos, end, &present, &u, &neg)
+        elif f == K_SESSION:
+            pos = _w_nil_or_str(p, pos, end, &s, &sl)
+        else:  # locality, ownership: any value
+            pos = _w_skip(p, pos, end, 0)
+        if pos < 0:
+            return -1
+    if ev.kind == EV_STORED:
+        if (seen & (K_HASHES | K_PARENT | K_TOKENS | K_BS)) != (K_HASHES | K_PARENT | K_TOKENS | K_BS):
+            return -1
+        if ev.n_tok < ev.n * ev.bs:
+            return -1  # a token-less store (legacy CPU offload): the general path
+    elif ev.kind == EV_REMOVED and not (seen & K_HASHES):
+        return -1
+    # The rule of _full_attention: the spec kind decides when given, else group 0.
+    ev.feeds = kind_full if has_kind else (not has_group or group == 0)
+    return pos
+
+
+cdef Py_ssize_t _w_batch(const uint8_t* p, Py_ssize_t end, double* ts, int64_t* n_items,
+                         int64_t* n_events) noexcept nogil:
+    """The batch header ``[ts, [`` of the common shape: the position of the first event,
+    with ``ts``, the batch's item count (2 or 3) and the event count; -1 otherwise."""
+    cdef uint64_t u
+    cdef uint32_t u32
+    cdef float f32
+    cdef Py_ssize_t pos = _w_array(p, 0, end, n_items)
+    if pos < 0 or n_items[0] < 2 or n_items[0] > 3 or pos >= end:
+        return -1
+    if p[pos] == 0xCB and pos + 9 <= end:
+        u = _be(p + pos + 1, 8)
+        memcpy(ts, &u, 8)
+        pos += 9
+    elif p[pos] == 0xCA and pos + 5 <= end:
+        u32 = <uint32_t>_be(p + pos + 1, 4)
+        memcpy(&f32, &u32, 4)
+        ts[0] = f32
+        pos += 5
+    else:
+        return -1
+    return _w_array(p, pos, end, n_events)
+
+
+cdef Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts) noexcept nogil:
+    """Whether a whole payload is a batch of the common shape: its event count, or -1."""
+    cdef int64_t n_items, n_events, i
+    cdef uint64_t u
+    cdef bint neg, present
+    cdef WEvent ev
+    cdef Py_ssize_t pos = _w_batch(p, end, ts, &n_items, &n_events)
+    if pos < 0 or n_events > end - pos:
+        return -1
+    for i in range(n_events):
+        pos = _w_event(p, pos, end, &ev)
+        if pos < 0:
+            return -1
+    if n_items == 3:
+        pos = _w_nil_or_int(p, pos, end, &present, &u, &neg)  # data_parallel_rank
+    if pos != end:
+        return -1
+    return n_events
+
+
+cdef class WireBatch:
+    """A received batch of the common shape, left as its bytes for :class:`Core` to
+    apply in place (what ``scan`` returns). Reads like a decoded
+    :class:`~kvevents.schema.KVEventBatch`: ``ts``, and ``events`` decoded on demand
+    (the general decoder; only slow paths ask)."""
+
+    cdef readonly double ts
+    cdef readonly bytes payload
+
+    def __cinit__(self, double ts, bytes payload):
+        self.ts = ts
+        self.payload = payload
+
+    @property
+    def events(self):
+        return _GENERAL.decode(self.payload).batch.events
+
+    @property
+    def data_parallel_rank(self):
+        return _GENERAL.decode(self.payload).batch.data_parallel_rank
+
+    def __repr__(self):
+        return f"WireBatch(ts={self.ts!r}, {len(self.payload)} bytes)"
+
+
+_GENERAL = BatchDecoder(raw_tokens=True)
+
+
+def scan(payload):
+    """A :class:`WireBatch` when ``payload`` (bytes) is a batch of the common shape,
+    else None (decode it with ``schema.BatchDecoder``). Never raises for content."""
+    if type(payload) is not bytes:
+        return None
+    cdef double ts
+    cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(payload)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(payload)
+    cdef Py_ssize_t r
+    with nogil:
+        r = _w_scan(p, n, &ts)
+    if r < 0:
+        return None
+    return WireBatch(ts, payload)
