@@ -11,11 +11,13 @@ accepted. Errors become the API's error shape with the offending field named, e.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
 
+from kvevents.api._fastbody import lookup_body
 from kvevents.api.errors import ApiError
 from kvevents.text.chat import ChatMessage
 
@@ -99,14 +101,21 @@ def _field(message: str) -> tuple[str, str | None]:
 
 
 class BodyDecoder:
-    """Decodes one body type; build once per type and reuse."""
+    """Decodes one body type; build once per type and reuse. ``fast``: a reader of the
+    type's common shape, tried first; it returns None for anything else (msgspec then
+    decodes, and words every error)."""
 
-    def __init__(self, type_: type[T]) -> None:
+    def __init__(self, type_: type[T], fast: Callable[[bytes], T | None] | None = None) -> None:
         self.type = type_
         self._dec = msgspec.json.Decoder(type_)
+        self._fast = fast
 
     async def __call__(self, request: Request) -> T:
         raw = await request.body()
+        if self._fast is not None:
+            body = self._fast(raw)
+            if body is not None:
+                return body
         try:
             return self._dec.decode(raw)
         except msgspec.ValidationError as exc:
@@ -114,9 +123,21 @@ class BodyDecoder:
             raise ApiError(422, f"{field}: {message}" if field else message, field) from None
         except msgspec.DecodeError:
             raise ApiError(422, "request body is not valid JSON", None) from None
+        except UnicodeDecodeError:  # msgspec's error for invalid UTF-8 in a key
+            raise ApiError(422, "request body is not valid UTF-8", None) from None
 
 
-decode_lookup = BodyDecoder(LookupBody)
+def _fast_lookup(raw: bytes) -> LookupBody | None:
+    """``{"token_ids": [...], "model"?, "lora_name"?}`` with the ids read straight into
+    an int64 array (``_fastbody``), which the index reads in place."""
+    got = lookup_body(raw)
+    if got is None:
+        return None
+    ids, model, lora = got
+    return LookupBody(token_ids=ids, model=model, lora_name=lora)  # type: ignore[arg-type]
+
+
+decode_lookup = BodyDecoder(LookupBody, _fast_lookup)
 
 
 decode_route = BodyDecoder(RouteBody)

@@ -222,6 +222,7 @@ cdef class Core:
     cdef int wmed_len[4]
     cdef int wmed_tier[4]
     cdef int wmed_n, wnil_tier, wns, wns_bs
+    cdef int nt                       # len(tier_name), for code without the GIL
 
     def __cinit__(self):
         self.cap = 0
@@ -284,14 +285,14 @@ cdef class Core:
 
     # ------------------------------------------------------------------ storage
 
-    cdef int _grow_slots(self, int64_t need) except -1:
+    cdef int _grow_slots(self, int64_t need) except -1 nogil:
         cdef int64_t cap = max(need, self.cap + self.cap // 8, 1024)
         self.key = <uint64_t*>_realloc(self.key, cap * sizeof(uint64_t))
         self.parent = <uint64_t*>_realloc(self.parent, cap * sizeof(uint64_t))
         self.depth = <uint32_t*>_realloc(self.depth, cap * sizeof(uint32_t))
         self.nsid = <uint16_t*>_realloc(self.nsid, cap * sizeof(uint16_t))
         cdef int t
-        for t in range(len(self.tier_name) if self.tier_name is not None else 0):
+        for t in range(self.nt):
             self.masks[t] = <uint64_t*>_realloc(self.masks[t], cap * self.W * sizeof(uint64_t))
             memset(self.masks[t] + self.cap * self.W, 0, (cap - self.cap) * self.W * sizeof(uint64_t))
         self.cap = cap
@@ -335,14 +336,15 @@ cdef class Core:
         self.pod_cap = cap
         return 0
 
-    cdef int32_t _alloc_slot(self, uint64_t key, uint64_t parent, uint32_t depth, uint16_t ns) except -2:
+    cdef int32_t _alloc_slot(self, uint64_t key, uint64_t parent, uint32_t depth, uint16_t ns) except -2 nogil:
         cdef int32_t s
         if self.n_free:
             self.n_free -= 1
             s = self.free_slots[self.n_free]
         else:
             if self.n_slots >= 2147483647:
-                raise MemoryError("index slot space exhausted")
+                with gil:
+                    raise MemoryError("index slot space exhausted")
             if self.n_slots >= self.cap:
                 self._grow_slots(self.n_slots + 1)
             s = <int32_t>self.n_slots
@@ -354,7 +356,7 @@ cdef class Core:
         table_put(&self.content, key, s)
         return s
 
-    cdef int _free_slot(self, int32_t s) except -1:
+    cdef int _free_slot(self, int32_t s) except -1 nogil:
         table_del(&self.content, self.key[s])
         cdef int32_t off
         if self.tokt.n:
@@ -369,7 +371,7 @@ cdef class Core:
         self.n_free += 1
         return 0
 
-    cdef int _keep_tokens(self, int32_t s, const int64_t* toks, int64_t n) except -1:
+    cdef int _keep_tokens(self, int32_t s, const int64_t* toks, int64_t n) except -1 nogil:
         if self.arena_len + n + 1 > self.arena_cap:
             if self.arena_garbage > 4096 and self.arena_garbage * 2 > self.arena_len:
                 self._compact_arena()
@@ -384,10 +386,11 @@ cdef class Core:
         self.arena_len += n + 1
         return 0
 
-    cdef int _compact_arena(self) except -1:
+    cdef int _compact_arena(self) except -1 nogil:
         cdef int64_t* fresh = <int64_t*>malloc(max(self.arena_cap, 1) * sizeof(int64_t))
         if fresh == NULL:
-            raise MemoryError()
+            with gil:
+                raise MemoryError()
         cdef int64_t pos = 0, n
         cdef uint64_t i
         for i in range(self.tokt.cap):
@@ -402,7 +405,7 @@ cdef class Core:
         self.arena_garbage = 0
         return 0
 
-    cdef int _scratch(self, int64_t nh, int64_t nt) except -1:
+    cdef int _scratch(self, int64_t nh, int64_t nt) except -1 nogil:
         if nh > self.sh_cap:
             self.sh_cap = max(nh, 2 * self.sh_cap, 256)
             self.sh = <uint64_t*>_realloc(self.sh, self.sh_cap * sizeof(uint64_t))
@@ -446,6 +449,7 @@ cdef class Core:
             if self.masks[<int>t] == NULL:
                 raise MemoryError()
             self.tier_name.append(name)
+            self.nt = len(self.tier_name)
             self.tier_id[name] = t
         self.tier_id[medium] = t
         return <int>t
@@ -562,7 +566,7 @@ cdef class Core:
 
     # ------------------------------------------------------------------ references
 
-    cdef inline void _add_ref(self, int32_t s, int pid, int tier):
+    cdef inline int _add_ref(self, int32_t s, int pid, int tier) except -1 nogil:
         cdef uint64_t* m = self.masks[tier] + <int64_t>s * self.W + (pid >> 6)
         cdef uint64_t bit = (<uint64_t>1) << (pid & 63)
         cdef uint64_t sk
@@ -574,26 +578,27 @@ cdef class Core:
         else:
             m[0] |= bit
             self.counts[pid * MAX_TIERS + tier] += 1
+        return 0
 
-    cdef inline bint _pod_holds(self, int32_t s, int pid):
+    cdef inline bint _pod_holds(self, int32_t s, int pid) noexcept nogil:
         cdef int t
         cdef int64_t off = <int64_t>s * self.W + (pid >> 6)
         cdef uint64_t bit = (<uint64_t>1) << (pid & 63)
-        for t in range(len(self.tier_name)):
+        for t in range(self.nt):
             if self.masks[t][off] & bit:
                 return True
         return False
 
-    cdef inline bint _anyone_holds(self, int32_t s):
+    cdef inline bint _anyone_holds(self, int32_t s) noexcept nogil:
         cdef int t, w
         cdef int64_t off = <int64_t>s * self.W
-        for t in range(len(self.tier_name)):
+        for t in range(self.nt):
             for w in range(self.W):
                 if self.masks[t][off + w]:
                     return True
         return False
 
-    cdef int _remove_ref(self, int32_t s, int pid, int tier) except -2:
+    cdef int _remove_ref(self, int32_t s, int pid, int tier) except -2 nogil:
         """Drop one reference: -1 not held (unknown removal), 1 the pod still holds
         the slot in some tier, 0 it no longer does (the slot is freed when nobody does)."""
         cdef uint64_t* m = self.masks[tier] + <int64_t>s * self.W + (pid >> 6)
@@ -803,7 +808,7 @@ cdef class Core:
         return 1
 
     cdef int _chain(self, int pid, int ns, int tier, int64_t n, int64_t bs, bint has_parent,
-                    uint64_t ph, const uint64_t* xd) except -1:
+                    uint64_t ph, const uint64_t* xd) except -1 nogil:
         """Store the chain of ``n`` blocks whose engine hashes are in ``self.sh`` and
         tokens in ``self.stok`` (``bs`` each), under engine parent hash ``ph`` (when
         ``has_parent``) and per-block extra-key digests ``xd`` (NULL: none): both event
@@ -843,8 +848,8 @@ cdef class Core:
                 # The hash now names another block; the pod may still hold the old one.
                 self.pflags[pid] |= F_UNMAPPED
             prev = k
-            if d:
-                d = d + 1 if d < 0xFFFFFFFE else d
+            if d and d < <uint32_t>0xFFFFFFFE:
+                d += 1
         self.c_st_ev[tier] += 1
         self.c_st_bl[tier] += n
         return 0
@@ -883,17 +888,17 @@ cdef class Core:
         cdef int tier, keep
         cdef int64_t n = self._event_hashes(pid, ev, &tier, &keep)
         if n:
-            self._unref(pid, tier, n)
+            self._unref(pid, tier, n, len(<dict>self.pod_orig[pid]) > 0)
         return 0
 
-    cdef int _unref(self, int pid, int tier, int64_t n) except -1:
+    cdef int _unref(self, int pid, int tier, int64_t n, bint orig) except -1 nogil:
         """Remove one reference of pod ``pid`` in ``tier`` from each of the ``n`` blocks
-        whose engine hashes are in ``self.sh`` (both event readers end here)."""
+        whose engine hashes are in ``self.sh`` (both event readers end here). ``orig``:
+        the pod has original hashes kept (bytes, big ints) to forget with the blocks."""
         cdef Table* pm = &self.pmaps[pid]
         cdef int64_t i
         cdef int32_t s
         cdef int r
-        cdef dict orig = <dict>self.pod_orig[pid]
         for i in range(n):
             s = table_get(pm, self.sh[i])
             if s < 0:
@@ -905,7 +910,8 @@ cdef class Core:
             elif r == 0:
                 table_del(pm, self.sh[i])
                 if orig:
-                    orig.pop(self.sh[i], None)
+                    with gil:
+                        (<dict>self.pod_orig[pid]).pop(self.sh[i], None)
         self.c_rm_ev[tier] += 1
         self.c_rm_bl[tier] += n
         return 0
@@ -914,68 +920,89 @@ cdef class Core:
         """Apply a :class:`WireBatch`'s events straight from its bytes: what
         :meth:`_apply_events` does with the decoded events, through the same
         :meth:`_chain` / :meth:`_unref` (``scan`` accepted the bytes, so every event is
-        of the common shape: only tier and namespace caps can refuse one)."""
+        of the common shape: only tier and namespace caps can refuse one). Runs without
+        the GIL (the facade's lock guards the core), taking it only to create a tier
+        or namespace, to clear the pod, or to count a refusal."""
         cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(payload)
         cdef Py_ssize_t end = PyBytes_GET_SIZE(payload)
         cdef double ts
         cdef int64_t n_items, n_events, i, j
         cdef WEvent ev
-        cdef Py_ssize_t q, pos = _w_batch(p, end, &ts, &n_items, &n_events)
+        cdef Py_ssize_t q, pos
         cdef int tier, ns
-        cdef bint neg = False
-        for i in range(n_events):
-            pos = _w_event(p, pos, end, &ev) if pos >= 0 else -1
-            if pos < 0:
-                raise ValueError("a WireBatch whose bytes scan does not accept")
-            self.c_events += 1
-            if not ev.feeds:
-                self.c_ignored += 1
-                continue
-            if ev.kind == EV_CLEARED:
-                self.clear_pod(pid)
-                self.c_cleared += 1
-                continue
-            if ev.n == 0:
-                continue
-            tier = self._wire_tier(p, ev.mpos, ev.mlen)
-            if tier < 0:
-                medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
-                self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
-                continue
-            self._scratch(ev.n, ev.n * ev.bs if ev.kind == EV_STORED else 0)
-            q = ev.hpos
-            for j in range(ev.n):
-                q = _w_int(p, q, end, self.sh + j, &neg)
-                if neg:
-                    self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
-            if ev.kind == EV_REMOVED:
-                self._unref(pid, tier, ev.n)
-                continue
-            q = ev.tpos
-            for j in range(ev.n * ev.bs):
-                q = _w_i64(p, q, end, self.stok + j)
-            if ev.has_parent and ev.parent_neg:
-                self.pflags[pid] |= F_SIGNED
-            if self.wns_bs != ev.bs:
-                ns = self._namespace(pid, model, ev.bs, None)
-                if ns < 0:
-                    self.c_refused[R_NS_LIMIT] += 1
+        cdef bint neg = False, bad = False
+        cdef bint orig = len(<dict>self.pod_orig[pid]) > 0
+        with nogil:
+            pos = _w_batch(p, end, &ts, &n_items, &n_events)
+            for i in range(n_events):
+                pos = _w_event(p, pos, end, &ev) if pos >= 0 else -1
+                if pos < 0:
+                    bad = True
+                    break
+                self.c_events += 1
+                if not ev.feeds:
+                    self.c_ignored += 1
                     continue
-                self.wns, self.wns_bs = ns, ev.bs
-            self._chain(pid, self.wns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL)
+                if ev.kind == EV_CLEARED:
+                    with gil:
+                        self.clear_pod(pid)
+                    self.c_cleared += 1
+                    continue
+                if ev.n == 0:
+                    continue
+                tier = self._wire_tier_cached(p, ev.mpos, ev.mlen)
+                if tier == -2:
+                    with gil:
+                        tier = self._wire_tier(p, ev.mpos, ev.mlen)
+                if tier < 0:
+                    with gil:
+                        medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
+                        self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
+                    continue
+                self._scratch(ev.n, ev.n * ev.bs if ev.kind == EV_STORED else 0)
+                q = ev.hpos
+                for j in range(ev.n):
+                    q = _w_int(p, q, end, self.sh + j, &neg)
+                    if neg:
+                        self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
+                if ev.kind == EV_REMOVED:
+                    self._unref(pid, tier, ev.n, orig)
+                    continue
+                q = ev.tpos
+                for j in range(ev.n * ev.bs):
+                    q = _w_i64(p, q, end, self.stok + j)
+                if ev.has_parent and ev.parent_neg:
+                    self.pflags[pid] |= F_SIGNED
+                if self.wns_bs != ev.bs:
+                    with gil:
+                        ns = self._namespace(pid, model, ev.bs, None)
+                    if ns < 0:
+                        self.c_refused[R_NS_LIMIT] += 1
+                        continue
+                    self.wns, self.wns_bs = ns, ev.bs
+                self._chain(pid, self.wns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL)
+        if bad:
+            raise ValueError("a WireBatch whose bytes scan does not accept")
         return 0
 
-    cdef int _wire_tier(self, const uint8_t* p, Py_ssize_t mpos, Py_ssize_t mlen) except -2:
-        """:meth:`tier` of a medium given as bytes (``mpos`` -1: none, GPU), through the
-        call's cache."""
-        cdef int i, t
+    cdef inline int _wire_tier_cached(self, const uint8_t* p, Py_ssize_t mpos,
+                                      Py_ssize_t mlen) noexcept nogil:
+        """The call's cached tier id of a medium given as bytes (``mpos`` -1: none,
+        GPU); -2 when not cached yet."""
+        cdef int i
         if mpos < 0:
-            if self.wnil_tier < 0:
-                self.wnil_tier = self.tier(None)
-            return self.wnil_tier
+            return self.wnil_tier if self.wnil_tier >= 0 else -2
         for i in range(self.wmed_n):
             if self.wmed_len[i] == mlen and memcmp(self.wmed[i], p + mpos, mlen) == 0:
                 return self.wmed_tier[i]
+        return -2
+
+    cdef int _wire_tier(self, const uint8_t* p, Py_ssize_t mpos, Py_ssize_t mlen) except -2:
+        """:meth:`tier` of a medium given as bytes, remembered in the call's cache."""
+        cdef int t
+        if mpos < 0:
+            self.wnil_tier = self.tier(None)
+            return self.wnil_tier
         t = self.tier(p[mpos:mpos + mlen].decode("ascii"))
         if t >= 0 and mlen <= 16 and self.wmed_n < 4:
             memcpy(self.wmed[self.wmed_n], p + mpos, mlen)
@@ -1549,10 +1576,11 @@ cdef int _load_table(Table* t, bytes raw) except -1:
     return 0
 
 
-cdef void* _realloc(void* p, size_t n) except NULL:
+cdef void* _realloc(void* p, size_t n) except NULL nogil:
     cdef void* q = realloc(p, n if n else 1)
     if q == NULL:
-        raise MemoryError()
+        with gil:
+            raise MemoryError()
     return q
 
 

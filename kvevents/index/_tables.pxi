@@ -51,11 +51,12 @@ cdef inline uint64_t table_next(const Table* t, uint64_t i) noexcept nogil:
     return 0 if i == t.cap else i
 
 
-cdef int table_init(Table* t, uint64_t cap) except -1:
+cdef int table_init(Table* t, uint64_t cap) except -1 nogil:
     cdef uint64_t c = cap if cap > 8 else 8
     t.b = <Bucket*>malloc(c * sizeof(Bucket))
     if t.b == NULL:
-        raise MemoryError()
+        with gil:
+            raise MemoryError()
     cdef uint64_t i
     for i in range(c):
         t.b[i].val = -1
@@ -64,7 +65,7 @@ cdef int table_init(Table* t, uint64_t cap) except -1:
     return 0
 
 
-cdef void table_free(Table* t) noexcept:
+cdef void table_free(Table* t) noexcept nogil:
     if t.b != NULL:
         free(t.b)
     t.b = NULL
@@ -84,7 +85,7 @@ cdef inline int32_t table_get(const Table* t, uint64_t key) noexcept nogil:
         i = table_next(t, i)
 
 
-cdef int table_grow(Table* t) except -1:
+cdef int table_grow(Table* t) except -1 nogil:
     cdef Table nt
     table_init(&nt, t.cap + t.cap // 2)
     cdef uint64_t i, j
@@ -101,7 +102,7 @@ cdef int table_grow(Table* t) except -1:
     return 0
 
 
-cdef int32_t table_put(Table* t, uint64_t key, int32_t val) except -2:
+cdef int32_t table_put(Table* t, uint64_t key, int32_t val) except -2 nogil:
     """Insert or overwrite. Returns -1 when the key was new, else its previous value."""
     cdef int32_t old
     if t.b == NULL:

@@ -37,10 +37,11 @@ from typing import Any
 
 from ..schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from . import queries, state
-from ._core import Core
+from ._core import Core, WireBatch
 from .registry import EngineRegistry
 from .results import (
     ApplyStats,
+    add_stats,
     BlockInfo,
     EventCount,
     IndexCounters,
@@ -52,6 +53,12 @@ from .results import (
 log = logging.getLogger(__name__)
 
 _REFUSAL_LOG_INTERVAL_S = 60.0
+
+# apply_batches releases the lock after about this many bytes of wire batches (~0.1 ms
+# of core work here), so a lookup never waits behind a whole ingest group. A decoded
+# batch counts as _DECODED_BATCH_BYTES.
+_HOLD_BYTES = 16 << 10
+_DECODED_BATCH_BYTES = 2048
 
 
 @dataclass
@@ -148,20 +155,36 @@ class PrefixIndex:
         return self.apply_batches(engine, [batch], model)
 
     def apply_batches(
-        self, engine: str, batches: list[KVEventBatch], model: str | None = None
+        self, engine: str, batches: list[KVEventBatch | WireBatch], model: str | None = None
     ) -> ApplyStats:
-        """:meth:`apply_batch` for consecutive batches of ``engine``, in order, under one
-        lock and in one core call (the ingest loop's path); the stats are their sum. An
-        exception leaves the batches before the failing one applied."""
-        with self.lock:
-            pid = self._engines.get(engine)
-            if pid is None:
-                pid, salt = self._engines.add(engine)
-                self._core.ensure_pod(pid, salt)
-            stats = self._core.apply_batches(pid, batches, model)
-            if stats.refused_events:
-                self._log_refusal(engine)
-        return stats
+        """:meth:`apply_batch` for consecutive batches of ``engine``, in order (the
+        ingest loop's path), in as few core calls as the lock's hold bound allows: the
+        lock is released after about ``_HOLD_BYTES`` of batches, so a lookup waits for
+        at most that much work however large the group (each batch is applied whole
+        under one hold; readers may see a group's first batches before its last). The
+        stats are their sum. An exception leaves the batches before the failing one
+        applied. Accepts :class:`~kvevents.index.wire.WireBatch` (applied from its bytes
+        without the GIL) as well as decoded batches."""
+        total: ApplyStats | None = None
+        start, n = 0, len(batches)
+        while start < n:
+            stop, size = start, 0
+            while stop < n and (stop == start or size < _HOLD_BYTES):
+                b = batches[stop]
+                size += len(b.payload) if type(b) is WireBatch else _DECODED_BATCH_BYTES
+                stop += 1
+            part = batches if stop - start == n else batches[start:stop]
+            with self.lock:
+                pid = self._engines.get(engine)
+                if pid is None:
+                    pid, salt = self._engines.add(engine)
+                    self._core.ensure_pod(pid, salt)
+                stats = self._core.apply_batches(pid, part, model)
+                if stats.refused_events:
+                    self._log_refusal(engine)
+            total = stats if total is None else add_stats(total, stats)
+            start = stop
+        return total if total is not None else ApplyStats()
 
     def _fold(self, engine: str, pid: int, into: _Counts) -> None:
         """Add engine ``pid``'s cumulative core counters to ``into`` (by engine name)."""

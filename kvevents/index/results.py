@@ -61,6 +61,12 @@ class ApplyStats(msgspec.Struct, gc=False):
     refused_events: int = 0
 
 
+def add_stats(a: ApplyStats, b: ApplyStats) -> ApplyStats:
+    """The field-wise sum of two :class:`ApplyStats`."""
+    return ApplyStats(*(x + y for x, y in zip(msgspec.structs.astuple(a),
+                                               msgspec.structs.astuple(b))))
+
+
 class BlockHolder(msgspec.Struct, gc=False):
     """One engine holding an engine block: its tiers and reference count per tier."""
 

@@ -1,11 +1,12 @@
-"""Digests of the last batches applied from one publisher, to tell its stream apart
-from a restarted process's.
+"""The last batches applied from one publisher (or their digests), to tell its stream
+apart from a restarted process's.
 
 After a reconnect or a suspicious seq jump the subscriber asks the publisher to replay
-the last few seqs it applied and compares the payload digests: the same process
-replays byte-identical payloads; a new process that has already published past our
-last seq replays different ones under the same seqs (a restart the seq numbers alone
-cannot show). CRC-32 is enough: this guards against accidents, not forgery.
+the last few seqs it applied and compares the payloads: the same process replays
+byte-identical payloads; a new process that has already published past our last seq
+replays different ones under the same seqs (a restart the seq numbers alone cannot
+show). Large payloads are compared by CRC-32: that guards against accidents, not
+forgery.
 """
 
 from __future__ import annotations
@@ -19,14 +20,23 @@ def digest(payload: bytes) -> int:
 
 
 class DigestRing:
-    """The last ``size`` (seq, digest) pairs delivered, oldest first. Not thread-safe;
-    owned by the subscriber thread."""
+    """The last ``size`` (seq, payload or digest) pairs delivered, oldest first. Not
+    thread-safe; owned by the subscriber thread.
+
+    Payloads up to ``_KEEP_BYTES`` are kept as they are (the ``bytes`` objects the
+    stream already made) and compared whole when checked; larger ones are reduced to
+    their CRC-32 at once, so the ring holds at most ``size * _KEEP_BYTES`` of payload.
+    Why: the check is rare (after a reconnect or a seq jump) but ``add`` runs for every
+    batch, and a CRC of each was 6% of the ingest thread."""
+
+    _KEEP_BYTES = 64 << 10
 
     def __init__(self, size: int = 4) -> None:
-        self._ring: deque[tuple[int, int]] = deque(maxlen=size)
+        self._ring: deque[tuple[int, bytes | int]] = deque(maxlen=size)
 
     def add(self, seq: int, payload: bytes) -> None:
-        self._ring.append((seq, zlib.crc32(payload)))  # digest(), inlined: once per batch
+        self._ring.append((seq, payload if len(payload) <= self._KEEP_BYTES
+                           else zlib.crc32(payload)))
 
     def clear(self) -> None:
         self._ring.clear()
@@ -36,9 +46,11 @@ class DigestRing:
 
     def check(self, seq: int, payload: bytes) -> bool | None:
         """True/False if ``seq`` is remembered and matches / differs; None if unknown."""
-        for s, d in self._ring:
+        for s, kept in self._ring:
             if s == seq:
-                return d == digest(payload)
+                if isinstance(kept, bytes):
+                    return kept == payload
+                return kept == digest(payload)
         return None
 
     def __len__(self) -> int:

@@ -299,3 +299,43 @@ def test_truncated_and_mutated_payloads_never_misread():
         else:
             apply_both([("e0", payload)])  # refused alike, or decoded alike
     assert accepted > 250  # the mutations did reach the wire path
+
+
+class CountingLock:
+    """A lock that counts how often it was taken (``PrefixIndex.lock`` is public: an
+    embedding router may hold it around several calls)."""
+
+    def __init__(self) -> None:
+        import threading
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        self.taken += got
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def test_a_large_group_releases_the_lock_between_parts():
+    """A lookup never waits behind a whole ingest group: apply_batches gives the lock
+    back every ~16 KiB of batches, and the parts add up to what one call per batch
+    does."""
+    ingest = IngestDecoder()
+    payloads = [ENC.encode(KVEventBatch(float(i), [chain(i, 100)])) for i in range(40)]
+    assert sum(map(len, payloads)) > 3 * (16 << 10)
+    grouped, single = PrefixIndex(), PrefixIndex()
+    grouped.lock = CountingLock()  # type: ignore[assignment]
+    stats = grouped.apply_batches("e0", [ingest.decode(p).batch for p in payloads], model="m")
+    assert grouped.lock.taken >= 3
+    total = [single.apply_batch("e0", ingest.decode(p).batch, model="m") for p in payloads]
+    assert stats.stored_blocks == sum(s.stored_blocks for s in total) == 4000
+    assert stats.events == 40
+    same_index(grouped, single, [prompt(i, 100) for i in range(40)])
