@@ -64,7 +64,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -126,6 +126,9 @@ class AggregatorMetrics:
         self._lag_children: dict[str, tuple[tuple[str, str], object]] = {}
         self._models: frozenset[str] = frozenset()
         self._lock = threading.Lock()
+        # Lookup metric children by (api, model) and by ((api, model), tier).
+        self._lookup_children: dict[tuple[str, str], tuple] = {}
+        self._tier_children: dict[tuple[tuple[str, str], str], Any] = {}
 
     def _model_of(self, engine: str) -> str:
         for spec in self._view.engine_specs():
@@ -149,21 +152,32 @@ class AggregatorMetrics:
     def observe_lookup(self, api: str, seconds: float, result: LookupResult,
                        model: str | None = None) -> None:
         labels = (api, self._lookup_model(model))
-        self.lookups.labels(*labels).inc()
-        self.lookup_latency.labels(*labels).observe(seconds)
-        self.prompt_tokens.labels(*labels).inc(result.prompt_tokens)
+        children = self._lookup_children.get(labels)
+        if children is None:
+            # .labels() costs microseconds per call (a lock and a dict per metric): keep
+            # the children; labels are few (two APIs, the served models).
+            children = self._lookup_children[labels] = (
+                self.lookups.labels(*labels), self.lookup_latency.labels(*labels),
+                self.prompt_tokens.labels(*labels), self.matched_tokens.labels(*labels))
+        lookups, latency, prompt_tokens, matched_tokens = children
+        lookups.inc()
+        latency.observe(seconds)
+        prompt_tokens.inc(result.prompt_tokens)
+        best = result.engines[0] if result.engines else None
         with self._lock:  # lookups run on several HTTP threads
             self.totals["lookups"] += 1
             self.totals["prompt_tokens"] += result.prompt_tokens
-        if result.engines:
-            best = result.engines[0]
-            self.matched_tokens.labels(*labels).inc(best.tokens)
-            with self._lock:
+            if best is not None:
                 self.totals["matched_tokens"] += best.tokens
                 for tier, n in best.tiers.items():
                     self.tier_totals[tier] = self.tier_totals.get(tier, 0) + n
+        if best is not None:
+            matched_tokens.inc(best.tokens)
             for tier, n in best.tiers.items():
-                self.tier_tokens.labels(*labels, tier).inc(n)
+                child = self._tier_children.get((labels, tier))
+                if child is None:
+                    child = self._tier_children[(labels, tier)] = self.tier_tokens.labels(*labels, tier)
+                child.inc(n)
 
     def forget_engine(self, engine: str) -> None:
         """Drop a removed engine's histogram series (the state families drop it by

@@ -310,3 +310,39 @@ def test_hot_handlers_stay_on_the_event_loop():
     for path, r in hot.items():
         assert inspect.iscoroutinefunction(r.endpoint), path
         assert not r.dependant.dependencies, (path, [d.call for d in r.dependant.dependencies])
+
+
+def test_hot_handlers_skip_fastapi_dependency_solving_but_not_guards():
+    """serve_lean puts /v1/lookup and /v1/route first and serves them through
+    Starlette's request_response; a route with a dependency (a guard) keeps FastAPI's
+    handling. Errors still come in the API's shape."""
+    from fastapi import Depends, FastAPI
+    from fastapi.routing import APIRoute
+    from fastapi.testclient import TestClient
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+
+    from kvevents.api import HOT_PATHS, serve_lean
+    from kvevents.api.auth import require_token
+
+    app = create_app(AggregatorSettings())
+    first = [r.path for r in app.router.routes[:2]]
+    assert sorted(first) == sorted(HOT_PATHS)
+    for r in app.router.routes[:2]:
+        assert r.app.__module__ == "starlette.routing"  # not FastAPI's request handler
+    with TestClient(app) as c:
+        bad = c.post("/v1/lookup", json={"token_ids": [1, -1]})
+        assert bad.status_code == 422 and bad.json()["field"] == "token_ids[1]"
+        assert c.post("/v1/route", json={}).status_code == 422
+        assert "/v1/lookup" in c.get("/openapi.json").json()["paths"]
+
+    guarded = FastAPI()
+
+    @guarded.post("/v1/lookup", dependencies=[Depends(require_token)])
+    async def lookup(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    handler = guarded.router.routes[-1].app
+    serve_lean(guarded, HOT_PATHS)
+    route = next(r for r in guarded.router.routes if isinstance(r, APIRoute))
+    assert route.app is handler and handler.__module__ == "fastapi.routing"  # guard runs
