@@ -371,13 +371,14 @@ class Aggregator:
 
     def lookup(
         self, token_ids: list[int], model: str | None = None, lora_name: str | None = None,
-        *, endpoint: str = "lookup", blocking: bool = True,
+        *, endpoint: str = "lookup", blocking: bool = True, timeout: float = -1,
     ) -> LookupResult:
         """Index lookup, timed into the metrics. ``blocking=False`` raises
-        :class:`~kvevents.index.IndexBusy` instead of waiting for the index lock."""
+        :class:`~kvevents.index.IndexBusy` instead of waiting for the index lock, and so
+        does a ``timeout`` (seconds) that passes before the lock is free."""
         t0 = time.perf_counter()
         result = self.index.lookup(token_ids, model=model, lora_name=lora_name,
-                                   blocking=blocking)
+                                   blocking=blocking, timeout=timeout)
         self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result, model)
         return result
 

@@ -243,6 +243,7 @@ class PrefixIndex:
         lora_name: str | None = None,
         *,
         blocking: bool = True,
+        timeout: float = -1,
     ) -> LookupResult:
         """Per engine, how many leading tokens of the prompt are cached (any tier, and per
         tier), best first. ``model=None`` searches every model's namespaces.
@@ -250,9 +251,12 @@ class PrefixIndex:
         ``token_ids``: a list of ints, or an int64 / int32 / uint32 buffer (numpy
         array, ``array('q')``); list items are converted (and checked) as matching
         reaches them. Raises ``ValueError`` for a token outside int64, and
-        :class:`IndexBusy` when ``blocking`` is false and the lock is taken."""
-        if not self.lock.acquire(blocking):
-            raise IndexBusy("index busy")
+        :class:`IndexBusy` when the lock is taken and ``blocking`` is false, or still
+        taken after ``timeout`` seconds (-1: wait as long as it takes). The writer holds
+        the lock for one part of a group at a time (see :meth:`apply_batches`), so waits
+        are short while ingest runs."""
+        if not (self.lock.acquire(True, timeout) if blocking else self.lock.acquire(False)):
+            raise IndexBusy("index busy" if not blocking else f"index busy for {timeout} s")
         try:
             spaces = self._spaces(model, lora_name)
             engines_out = self._core.lookup(token_ids, spaces, self._engines.names,

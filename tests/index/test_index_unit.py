@@ -277,3 +277,21 @@ def test_top_prefixes_cache_stays_bounded_whatever_is_asked():
         idx.top_prefixes(model=f"model-{i}", limit=1 + i % 7)
     assert len(idx._prefix_cache) <= PREFIX_CACHE_KEYS
     assert [p.tokens for p in idx.top_prefixes(model="m")] == [4]
+
+
+def test_lookup_waits_for_the_lock_at_most_its_timeout():
+    """The HTTP handlers wait on the event loop for at most a timeout, then hand the
+    wait to a thread: IndexBusy says the timeout passed."""
+    import time as _time
+
+    from kvevents.index import IndexBusy
+
+    idx = PrefixIndex()
+    with idx.lock:
+        with pytest.raises(IndexBusy):
+            idx.lookup([1, 2, 3], blocking=False)
+        t0 = _time.monotonic()
+        with pytest.raises(IndexBusy):
+            idx.lookup([1, 2, 3], timeout=0.05)
+        assert 0.04 <= _time.monotonic() - t0 < 1.0
+    assert idx.lookup([1, 2, 3], timeout=0.05).engines == []
