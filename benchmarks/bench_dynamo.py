@@ -5,7 +5,7 @@ Needs the bench venv (see benchmarks/README.md): the project and
 cached in ``--workdir``. Three measurements, both sides in the same invocation:
 
 * ``inproc``: ingest from the same msgpack bytes, in process, runs alternating (ours:
-  ``BatchDecoder(raw_tokens=True).decode``, as the aggregator decodes, +
+  ``IngestDecoder().decode``, as the aggregator decodes, +
   ``PrefixIndex.apply_batch``; Dynamo: the conversion in
   benchmarks/dynamo_side.py + ``RadixTree.apply_event``; Dynamo's apply-only rate on
   pre-converted JSON is shown too); then lookup p50/p99 at 2,048 and 32,768 tokens,
@@ -35,7 +35,7 @@ import kvevents  # noqa: E402
 from common import machine, percentile, print_table, write_json  # noqa: E402
 from dynamo_side import DynamoFeeder, available  # noqa: E402
 from kvevents.index import PrefixIndex  # noqa: E402
-from kvevents.schema import BatchDecoder  # noqa: E402
+from kvevents.index.wire import IngestDecoder  # noqa: E402
 from kvtrace import BS, MODEL, TraceConfig, expected_blocks, generate, load_truth, read  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def rss_bytes() -> int:
 
 
 def ours_ingest(records: list[tuple[str, bytes]]) -> tuple[PrefixIndex, float]:
-    dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
+    dec = IngestDecoder()  # as the aggregator decodes
     idx = PrefixIndex()
     t0 = time.perf_counter()
     for engine, payload in records:
@@ -157,7 +157,7 @@ def memory_worker(side: str, trace: str, resident_entries: int) -> dict:
     gc.collect()
     rss0 = rss_bytes()
     if side == "ours":
-        dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
+        dec = IngestDecoder()  # as the aggregator decodes
         idx = PrefixIndex()
         for engine, payload in read(trace):
             idx.apply_batch(engine, dec.decode(payload).batch, model=MODEL)

@@ -113,9 +113,10 @@ def worker(shape: str, trace: str, truth: str, after: int, lookups: int) -> dict
     limit = int(float(os.environ.get("KVEVENTS_BENCH_MAX_GB", "6")) * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from kvevents.index import PrefixIndex
-    from kvevents.schema import BatchDecoder, BlockStored, KVEventBatch
+    from kvevents.index.wire import IngestDecoder
+    from kvevents.schema import BlockStored, KVEventBatch
 
-    dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
+    dec = IngestDecoder()  # as the aggregator decodes
     idx = PrefixIndex()
     rng = np.random.default_rng(7)
     gc.collect()

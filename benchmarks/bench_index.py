@@ -49,9 +49,9 @@ def worker(path: str, engines: int, capacity: int, lookups: int) -> dict:
     import numpy as np
 
     from kvevents.index import PrefixIndex
-    from kvevents.schema import BatchDecoder
+    from kvevents.index.wire import IngestDecoder
 
-    dec = BatchDecoder(raw_tokens=True)  # as the aggregator decodes
+    dec = IngestDecoder()  # as the aggregator decodes
     idx = PrefixIndex()
     gc.collect()
     rss0 = rss_bytes()

@@ -2,10 +2,11 @@
 # cython: initializedcheck=False, nonecheck=False
 """Compiled core of :class:`~kvevents.index.PrefixIndex`.
 
-Everything per event, per block and per looked-up token runs here, in C: a whole
-decoded batch is applied in one call (:meth:`Core.apply`) and a prompt is matched in
-one call (:meth:`Core.match`). The Python facade (``index.py``) owns the lock, the pod
-names and the counters by name; it never loops over blocks.
+Everything per event, per block and per looked-up token runs here, in C: consecutive
+batches are applied in one call (:meth:`Core.apply_batches`: decoded batches, or
+:class:`WireBatch` bytes read in place by ``_wire.pxi`` without the GIL) and a prompt
+is matched in one call (:meth:`Core.lookup`). The Python facade (``index.py``) owns the
+lock, the pod names and the counters by name; it never loops over blocks.
 
 Data model (see DESIGN.md: the index is keyed by content):
 
@@ -25,7 +26,7 @@ A slot is freed when no pod holds it in any tier; children keep their parent's k
 not its slot number, so a reused slot is never mistaken for a live parent.
 
 Lifecycle: one ``Core`` per index, owned and locked by the facade (not thread-safe on
-its own). Failure: an event that cannot be applied (hashes or tokens of the wrong type
+its own: releasing the GIL while applying wire batches relies on the facade's lock). Failure: an event that cannot be applied (hashes or tokens of the wrong type
 or range, a namespace or tier beyond the caps) is skipped whole, before any change, and
 counted by reason; the rest of its batch applies. Memory errors propagate.
 """

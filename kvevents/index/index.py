@@ -3,8 +3,9 @@
 A small facade over the compiled core (``_core.pyx``), which does all the per-event,
 per-block and per-token work::
 
-    apply_batch(engine, batch) ─► Core.apply: one call per batch (every event, in order)
-    lookup(tokens)          ─► Core.match: one call per lookup (every namespace asked)
+    apply_batches(engine, batches) ─► Core.apply_batches: one call per part of a group
+                                      (every event, in order; wire batches without the GIL)
+    lookup(tokens)          ─► Core.lookup: one call per lookup (every namespace asked)
     queries.py              ─► inspection (top prefixes, an engine's blocks) in short chunks
     state.py                ─► snapshot / restore of the whole index
 

@@ -29,7 +29,7 @@ class DigestRing:
     Why: the check is rare (after a reconnect or a seq jump) but ``add`` runs for every
     batch, and a CRC of each was 6% of the ingest thread."""
 
-    _KEEP_BYTES = 64 << 10
+    _KEEP_BYTES = 8 << 10
 
     def __init__(self, size: int = 4) -> None:
         self._ring: deque[tuple[int, bytes | int]] = deque(maxlen=size)
