@@ -69,14 +69,14 @@ from kvevents.ingest.source import SourceConfig, SourceStats, SourceState
 from kvevents.schema import BatchDecoder, DecodeResult, PayloadError, peek_batch_ts
 from kvevents.transport import END_SEQ, pack_seq, unpack_seq
 
+log = logging.getLogger(__name__)
+
 
 class PayloadDecoder(Protocol):
     """What turns a payload into a batch: :class:`~kvevents.schema.BatchDecoder`'s
     ``decode`` (raises :class:`~kvevents.schema.PayloadError` for a non-batch)."""
 
     def decode(self, payload: bytes) -> DecodeResult: ...
-
-log = logging.getLogger(__name__)
 
 
 __all__ = [

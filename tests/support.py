@@ -4,20 +4,21 @@ two top-level ``conftest`` modules would shadow each other on import.)"""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 
 import zmq
 
+from kvevents.demo.fleet import free_port as fleet_free_port
 from kvevents.transport import unpack_seq
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 outside the ephemeral range (see
+    :func:`kvevents.demo.fleet.free_port`: a port chosen now and bound later must not
+    be taken meanwhile as some connection's source port)."""
+    return fleet_free_port()
 
 
 def rebind(make, timeout: float = 5.0):

@@ -18,7 +18,7 @@ from array import array
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport malloc, realloc, free
+from libc.stdlib cimport realloc, free
 
 cdef uint64_t _MAX_ID = 4294967295ULL  # TokenId's bound in body.py
 

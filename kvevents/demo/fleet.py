@@ -10,6 +10,7 @@ after a grace period): no orphans.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,7 +23,39 @@ import msgspec
 import zmq
 
 
+# Ports are drawn from [_LOW_PORT, start of the kernel's ephemeral range).
+_LOW_PORT = 20000
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral (source port) range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range.
+
+    Why below: an engine binds its ports long after they are chosen (a vLLM engine
+    starts in 10-70 s), and meanwhile every outgoing connection, among them the
+    aggregator's and the demo's own reconnecting to the engines still starting, takes
+    a source port from the ephemeral range. One landed on an engine's chosen port in
+    CI and the engine failed to bind ("Address already in use"). Falls back to a port
+    the kernel picks when the range below is unusable or full."""
+    top = _ephemeral_start()
+    if top - _LOW_PORT >= 1000:
+        rng = random.Random()
+        for _ in range(100):
+            port = rng.randrange(_LOW_PORT, top)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
