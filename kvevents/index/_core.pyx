@@ -833,11 +833,25 @@ cdef class Core:
                 d = 0
         if d == 0:
             self.c_orphans += n
+        # Keys are computed LOOKAHEAD blocks ahead (a key needs only the tokens and the
+        # key before it), and the content and engine-table buckets they will probe are
+        # prefetched meanwhile: the tables are far larger than the caches, and a prefill
+        # event stores up to 128 blocks.
+        cdef uint64_t keys[LOOKAHEAD]
+        cdef uint64_t kc = prev
+        cdef int64_t computed = 0
         for i in range(n):
-            row = row_hash(self.stok + i * bs, bs)
-            if xd != NULL and xd[i]:
-                row = mix64(row ^ (xd[i] * _EXTRA))
-            k = chain_key(prev, row)
+            while computed < n and computed < i + LOOKAHEAD:
+                row = row_hash(self.stok + computed * bs, bs)
+                if xd != NULL and xd[computed]:
+                    row = mix64(row ^ (xd[computed] * _EXTRA))
+                kc = chain_key(kc, row)
+                keys[computed % LOOKAHEAD] = kc
+                kv_prefetch(&self.content.b[table_home(&self.content, kc)])
+                if pm.b != NULL:
+                    kv_prefetch(&pm.b[table_home(pm, self.sh[computed])])
+                computed += 1
+            k = keys[i % LOOKAHEAD]
             s = table_get(&self.content, k)
             if s < 0:
                 s = self._alloc_slot(k, prev, d, <uint16_t>ns)
@@ -901,6 +915,8 @@ cdef class Core:
         cdef int32_t s
         cdef int r
         for i in range(n):
+            if i + LOOKAHEAD < n and pm.b != NULL:
+                kv_prefetch(&pm.b[table_home(pm, self.sh[i + LOOKAHEAD])])
             s = table_get(pm, self.sh[i])
             if s < 0:
                 self.c_unknown += 1
