@@ -43,8 +43,8 @@ from kvevents import snapshot
 from kvevents.feed import EventFeed
 from kvevents.ingest import ratelog
 from kvevents.ingest.budget import Budget, make_context, plan_budget
-from kvevents.index import ApplyStats, LookupResult, PrefixIndex
-from kvevents.index.wire import IngestDecoder
+from kvevents.index import ApplyStats, IngestDecoder, LookupResult, PrefixIndex
+from kvevents.index.results import add_stats
 from kvevents.metrics import AggregatorMetrics
 from kvevents.router import KVAwarePolicy
 from kvevents.schema import KVEventBatch
@@ -79,13 +79,6 @@ class EngineState:
     resyncs: int = 0  # times its state was dropped after a loss
     restore: str | None = None  # continuity outcome when restored from a snapshot
     down_since: float | None = None  # monotonic time it was last seen disconnected
-
-
-def _add_stats(total: ApplyStats, st: ApplyStats) -> None:
-    """Add the block counts the feed reports of ``st`` to ``total``."""
-    total.stored_blocks += st.stored_blocks
-    total.removed_blocks += st.removed_blocks
-    total.cleared += st.cleared
 
 
 class Aggregator:
@@ -457,7 +450,7 @@ class Aggregator:
             rebuilt = ApplyStats()
             for seq, batch in zip(seqs, batches):
                 if seq <= upto:
-                    _add_stats(rebuilt, self._apply_each(sig.source, batch, model))
+                    rebuilt = add_stats(rebuilt, self._apply_each(sig.source, batch, model))
             seqs = [q for q in seqs if q > upto]
             batches = batches[len(batches) - len(seqs):]
             if not seqs:
@@ -474,7 +467,7 @@ class Aggregator:
             self._subscriber.resync(sig.source, f"apply failed at seq {seqs[0]}-{seqs[-1]}")
             return None
         if rebuilt is not None:
-            _add_stats(stats, rebuilt)
+            stats = add_stats(stats, rebuilt)
         return stats
 
     def _count_apply_error(self, engine: str, kind: str) -> None:
@@ -484,12 +477,13 @@ class Aggregator:
     def _apply_each(self, engine: str, batch: KVEventBatch, model: str | None) -> ApplyStats:
         """The slow, isolating path (only while rebuilding after a failure)."""
         total = ApplyStats()
+        ts, rank = batch.ts, batch.data_parallel_rank
         for ev in batch.events:
-            one = KVEventBatch(batch.ts, [ev], batch.data_parallel_rank)
+            one = KVEventBatch(ts, [ev], rank)
             try:
                 st = self.index.apply_batch(engine, one, model=model)
             except Exception:
                 self._count_apply_error(engine, type(ev).__name__)
                 continue
-            _add_stats(total, st)
+            total = add_stats(total, st)
         return total

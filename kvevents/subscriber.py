@@ -172,21 +172,18 @@ class Subscriber:
         recv_hwm: int = 1000,
         max_message_bytes: int = 64 << 20,
         context: zmq.Context | None = None,
-        raw_tokens: bool = False,
         compiled_recv: bool = True,
         group_batches: bool = False,
         decoder: PayloadDecoder | None = None,
     ) -> None:
-        """``raw_tokens``: deliver stored events with their token ids left as raw msgpack
-        (see :class:`~kvevents.schema.BatchDecoder`): for consumers that only feed the
-        index, whose compiled core reads them in place. ``compiled_recv``: receive
+        """``compiled_recv``: receive
         through :mod:`kvevents.ingest._zmqrecv` where it loaded (False: always through
         pyzmq; both give the same messages). ``group_batches``: deliver consecutive
         batches of one source taken in one drain of its socket as one
         :class:`BatchesReceived` instead of one :class:`BatchReceived` each (a source's
         stats then show them once they were delivered). ``decoder``: decodes each
-        payload instead of ``BatchDecoder(raw_tokens=raw_tokens)`` (the aggregator's
-        keeps common batches as bytes for the index: see ``kvevents.index.wire``)."""
+        payload instead of a :class:`~kvevents.schema.BatchDecoder` (the aggregator's,
+        ``kvevents.index.IngestDecoder``, keeps common batches as bytes for the index)."""
         self._consumer = consumer
         self._drain = _DRAIN if compiled_recv else _drain_python
         self._group_batches = group_batches
@@ -205,7 +202,7 @@ class Subscriber:
         self._recv_hwm = recv_hwm
         self._max_message_bytes = max_message_bytes
         self._ctx = context or zmq.Context.instance()
-        self._decoder: PayloadDecoder = decoder or BatchDecoder(raw_tokens=raw_tokens)
+        self._decoder: PayloadDecoder = decoder or BatchDecoder()
         self._sources: dict[str, SourceState] = {}
         self._poller = zmq.Poller()
         # socket -> (source, role); role is "live", "replay" or "monitor".

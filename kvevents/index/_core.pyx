@@ -54,7 +54,7 @@ from .results import ApplyStats
 DEF HEAD_TOKENS = 64
 DEF MAX_KEPT_BLOCK = 1024
 DEF MAX_TIERS = 8
-DEF LOOKAHEAD = 8   # lookup: keys computed (and buckets prefetched) ahead of probes
+DEF LOOKAHEAD = 8   # lookup and store chains: keys computed (buckets prefetched) ahead
 DEF N_REASONS = 6
 
 #: Why an event was refused (index into the refusal counters).
@@ -1604,17 +1604,11 @@ cdef void* _realloc(void* p, size_t n) except NULL nogil:
 cdef Py_ssize_t _raw_count(object raw) except -2:
     """Element count of a raw msgpack array; -1 when it is not an array."""
     cdef Py_buffer view
-    cdef const uint8_t* p
-    cdef Py_ssize_t n = -1
+    cdef int64_t n = -1
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
-        p = <const uint8_t*>view.buf
-        if view.len >= 1 and 0x90 <= p[0] <= 0x9F:
-            n = p[0] & 0x0F
-        elif view.len >= 3 and p[0] == 0xDC:
-            n = (<Py_ssize_t>p[1] << 8) | p[2]
-        elif view.len >= 5 and p[0] == 0xDD:
-            n = (<Py_ssize_t>p[1] << 24) | (<Py_ssize_t>p[2] << 16) | (<Py_ssize_t>p[3] << 8) | p[4]
+        if _w_array(<const uint8_t*>view.buf, 0, view.len, &n) < 0:
+            n = -1
     finally:
         PyBuffer_Release(&view)
     return n
@@ -1629,57 +1623,27 @@ cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
 
 
 cdef int _raw_to_i64(object raw, Py_ssize_t n, int64_t* out) except -1:
-    """The first ``n`` elements of a raw msgpack int array into ``out``: 0, or the
-    refusal reason (an element that is an array: bigram pages; anything else that is
-    not an int in the int64 range: bad tokens)."""
+    """The first ``n`` elements of a raw msgpack int array into ``out`` (read with the
+    wire readers of ``_wire.pxi``): 0, or the refusal reason (an element that is an
+    array: bigram pages; anything else that is not an int in the int64 range: bad
+    tokens)."""
     cdef Py_buffer view
     cdef const uint8_t* p
-    cdef Py_ssize_t size, pos, i
-    cdef uint8_t b
-    cdef uint64_t u
-    cdef int k, reason = 0
+    cdef Py_ssize_t pos, nxt, i
+    cdef int64_t count
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
         p = <const uint8_t*>view.buf
-        size = view.len
-        if size < 1:
+        pos = _w_array(p, 0, view.len, &count)
+        if pos < 0:
             return R_BAD_TOKENS
-        b = p[0]
-        pos = 1 if b <= 0x9F else (3 if b == 0xDC else 5)
         for i in range(n):
-            if pos >= size:
+            nxt = _w_i64(p, pos, view.len, out + i)
+            if nxt < 0:
+                if _w_array(p, pos, view.len, &count) >= 0:
+                    return R_UNSUPPORTED  # bigram-keyed pages (EAGLE): pairs, not tokens
                 return R_BAD_TOKENS
-            b = p[pos]
-            if b <= 0x7F:
-                out[i] = b
-                pos += 1
-                continue
-            if b >= 0xE0:
-                out[i] = <int8_t>b
-                pos += 1
-                continue
-            if 0xCC <= b <= 0xCF:
-                k = 1 << (b - 0xCC)
-                if pos + 1 + k > size:
-                    return R_BAD_TOKENS
-                u = _be(p + pos + 1, k)
-                if u > <uint64_t>0x7FFFFFFFFFFFFFFF:
-                    return R_BAD_TOKENS
-                out[i] = <int64_t>u
-                pos += 1 + k
-            elif 0xD0 <= b <= 0xD3:
-                k = 1 << (b - 0xD0)
-                if pos + 1 + k > size:
-                    return R_BAD_TOKENS
-                u = _be(p + pos + 1, k)
-                if k < 8 and (u >> (8 * k - 1)) & 1:
-                    u |= ~((<uint64_t>1 << (8 * k)) - 1)  # sign-extend
-                out[i] = <int64_t>u
-                pos += 1 + k
-            elif 0x90 <= b <= 0x9F or b == 0xDC or b == 0xDD:
-                return R_UNSUPPORTED  # bigram-keyed pages (EAGLE): pairs, not tokens
-            else:
-                return R_BAD_TOKENS
+            pos = nxt
         return 0
     finally:
         PyBuffer_Release(&view)

@@ -16,7 +16,7 @@
 # values in fields nobody reads, malformed bytes) makes ``scan`` return None and the
 # batch takes the general path (``schema.BatchDecoder`` + ``Core._apply_events``),
 # which defines the semantics: a batch this reader accepts must decode there to the
-# same events (tests/test_wire.py checks both paths give identical index states,
+# same events (tests/index/test_wire.py checks both paths give identical index states,
 # counters and refusals, on generated and mutated payloads).
 #
 # All readers below are bounded by ``end`` and return -1 ("not the common shape") on
@@ -428,18 +428,24 @@ cdef class WireBatch:
 
     cdef readonly double ts
     cdef readonly bytes payload
+    cdef object _decoded  # the general decoder's batch, made on first demand
 
     def __cinit__(self, double ts, bytes payload):
         self.ts = ts
         self.payload = payload
 
+    cdef object _batch(self):
+        if self._decoded is None:
+            self._decoded = _GENERAL.decode(self.payload).batch
+        return self._decoded
+
     @property
     def events(self):
-        return _GENERAL.decode(self.payload).batch.events
+        return self._batch().events
 
     @property
     def data_parallel_rank(self):
-        return _GENERAL.decode(self.payload).batch.data_parallel_rank
+        return self._batch().data_parallel_rank
 
     def __repr__(self):
         return f"WireBatch(ts={self.ts!r}, {len(self.payload)} bytes)"

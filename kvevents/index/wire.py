@@ -5,7 +5,7 @@ token ids, no LoRA or extra keys): for those, ``_core.scan`` checks the bytes an
 returns a :class:`WireBatch` that the core applies in place, with no Python object per
 event. Every other payload is decoded by :class:`~kvevents.schema.BatchDecoder` (token
 ids left raw), which defines what a payload means: the scan only accepts bytes that
-decode there to the same events (``tests/test_wire.py``).
+decode there to the same events (``tests/index/test_wire.py``).
 """
 
 from __future__ import annotations
