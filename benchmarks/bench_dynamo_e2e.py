@@ -34,7 +34,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -46,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zmq  # noqa: E402
 
 import kvevents  # noqa: E402
-from common import machine, median, print_table, write_json  # noqa: E402
+from common import machine, median, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
 from dynamo_side import engine_name, worker_id  # noqa: E402
 from kvevents.transport import pack_seq  # noqa: E402
 from kvtrace import BS, TraceConfig, expected_blocks, generate, load_truth, read  # noqa: E402
@@ -329,9 +328,7 @@ def main() -> None:
         return
     # Generate (or reuse) the trace outside the namespace, then re-run inside it.
     generate(TraceConfig(a.engines, a.capacity, a.steady, a.seed), a.workdir)
-    argv = [sys.executable, os.path.abspath(__file__), "--inner", *sys.argv[1:]]
-    script = "ip link set lo up && exec " + shlex.join(argv)
-    sys.exit(subprocess.call(["unshare", "-n", "sh", "-c", script]))
+    sys.exit(rerun_in_loopback_netns(__file__, sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,3 +56,12 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in cells:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def rerun_in_loopback_netns(script: str, args: list[str]) -> int:
+    """Run ``script --inner *args`` with this interpreter inside ``unshare -n`` (a network
+    namespace whose only interface is loopback, brought up first) and return its exit
+    status. For peers that listen on 0.0.0.0 (``dynamo.indexer``): inside, nothing but
+    127.0.0.1 exists. Needs root or user namespaces."""
+    argv = [sys.executable, os.path.abspath(script), "--inner", *args]
+    return subprocess.call(["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + shlex.join(argv)])
