@@ -1054,16 +1054,16 @@ cdef class Core:
             for s in range(<int32_t>self.n_slots):
                 self._clear_slot(s, pid, w, bit, nt)
         elif pm.b != NULL:
-            # The pod's slots are scattered over the mask arrays: fetch the mask word
-            # of the slot LOOKAHEAD buckets ahead while this one is cleared (its table
-            # itself is read in order).
+            # The pod's slots are scattered: while one is cleared, fetch the mask word
+            # and key of the slot 2 * LOOKAHEAD buckets ahead, and the content-table
+            # bucket (whose key is then in cache) of the one LOOKAHEAD ahead. The
+            # pod's own table is read in order.
             for i in range(<int64_t>pm.cap):
                 if i + 2 * LOOKAHEAD < <int64_t>pm.cap and pm.b[i + 2 * LOOKAHEAD].val >= 0:
                     s = pm.b[i + 2 * LOOKAHEAD].val
                     kv_prefetch(&self.masks[0][<int64_t>s * self.W + w])
                     kv_prefetch(&self.key[s])
                 if i + LOOKAHEAD < <int64_t>pm.cap and pm.b[i + LOOKAHEAD].val >= 0:
-                    # its content-table bucket, freed with the slot when no pod holds it
                     kv_prefetch(&self.content.b[table_home(&self.content, self.key[pm.b[i + LOOKAHEAD].val])])
                 if pm.b[i].val >= 0:
                     self._clear_slot(pm.b[i].val, pid, w, bit, nt)
