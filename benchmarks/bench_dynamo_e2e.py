@@ -34,7 +34,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -47,17 +46,12 @@ import zmq  # noqa: E402
 import kvevents  # noqa: E402
 from common import machine, median, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
 from dynamo_side import engine_name, worker_id  # noqa: E402
+from kvevents.demo.fleet import free_port  # noqa: E402
 from kvevents.transport import pack_seq  # noqa: E402
 from kvtrace import BS, TraceConfig, expected_blocks, generate, load_truth, read  # noqa: E402
 
 _APPLIED = re.compile(r'^dynamo_kvrouter_kv_cache_events_applied\{event_type="(\w+)",status="(\w+)"\} (\d+)',
                       re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _publisher(trace: str, engines: list[str], ready, go, stop) -> None:
@@ -212,7 +206,7 @@ def run_side(side, a, paths: dict, meta: dict, groups: list[list[str]], check_pr
     ports: dict[str, int] = {}
     for _ in procs:
         ports.update(ready_q.get(timeout=300))
-    port = _free_port()
+    port = free_port()
     log = open(os.path.join(a.workdir, f"e2e-{side.name}.log"), "wb")
     server = subprocess.Popen(side.command(port, ports, a.dynamo_threads), stdout=log,
                               stderr=subprocess.STDOUT, cwd=side.cwd)

@@ -37,7 +37,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -50,15 +49,10 @@ import zmq  # noqa: E402
 import kvevents  # noqa: E402
 from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
 from dynamo_side import worker_id  # noqa: E402
+from kvevents.demo.fleet import free_port  # noqa: E402
 from kvevents.schema import AllBlocksCleared, BatchDecoder, BatchEncoder, KVEventBatch  # noqa: E402
 from kvevents.transport import pack_seq  # noqa: E402
 from kvtrace import BS, TraceConfig, generate, load_truth, read  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _publisher(trace: str, rate: float, loop: bool, ready, go, stop, sent) -> None:
@@ -220,7 +214,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
                      daemon=True)
     pub.start()
     ports = ready.get(timeout=300)
-    http_port = _port()
+    http_port = free_port()
     server = subprocess.Popen(side.command(http_port, ports), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, cwd=side.cwd)
     probe_stop, probe_out = mp.Event(), mp.Queue()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 
@@ -27,16 +26,11 @@ import zmq
 
 from common import machine, median, print_table, write_json
 from kvevents.aggregator import Aggregator
+from kvevents.demo.fleet import free_port
 from kvevents.schema import BatchDecoder
 from kvevents.settings import AggregatorSettings, EngineSpec
 from kvevents.transport import pack_seq
 from workload import Workload, read, write
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _publisher(path: str, engine: str, port: int, ready, go) -> None:
@@ -64,7 +58,7 @@ def count_blocks(path: str) -> dict[str, int]:
 
 
 def run_once(path: str, engines: list[str], expected_blocks: int) -> dict:
-    ports = {engine: _port() for engine in engines}
+    ports = {engine: free_port() for engine in engines}
     ready: mp.Queue = mp.Queue()
     go = mp.Event()
     procs = [mp.Process(target=_publisher, args=(path, engine, ports[engine], ready, go), daemon=True)

@@ -16,20 +16,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import random
-import socket
 import time
 
 import zmq
 
 from common import machine, median, percentile, print_table, write_json
+from kvevents.demo.fleet import free_port
 from kvevents.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _subscriber(endpoint: str, delay: float, ready, result, duration: float) -> None:
@@ -72,8 +66,10 @@ def _batches(n: int, seed: int = 0) -> list[KVEventBatch]:
 
 
 def run_scenario(kind: str, batches: list[KVEventBatch]) -> dict:
-    port = _port()
-    pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{_port()}"))
+    port = free_port()
+    # Bound on loopback only (vLLM's rule binds only for "*": say so explicitly).
+    pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{port}",
+                                            replay_endpoint=f"tcp://127.0.0.1:{free_port()}", bind=True))
     proc = None
     result: mp.Queue = mp.Queue()
     if kind != "absent":

@@ -10,15 +10,10 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
-from kvevents.demo.fleet import free_port as fleet_free_port
+# Ports below the ephemeral range: one chosen now and bound later must not be taken
+# meanwhile as some connection's source port (see there).
+from kvevents.demo.fleet import free_port  # noqa: F401  (re-exported for the tests)
 from kvevents.transport import unpack_seq
-
-
-def free_port() -> int:
-    """A free port on 127.0.0.1 outside the ephemeral range (see
-    :func:`kvevents.demo.fleet.free_port`: a port chosen now and bound later must not
-    be taken meanwhile as some connection's source port)."""
-    return fleet_free_port()
 
 
 def rebind(make, timeout: float = 5.0):

@@ -26,9 +26,10 @@ A slot is freed when no pod holds it in any tier; children keep their parent's k
 not its slot number, so a reused slot is never mistaken for a live parent.
 
 Lifecycle: one ``Core`` per index, owned and locked by the facade (not thread-safe on
-its own: releasing the GIL while applying wire batches relies on the facade's lock). Failure: an event that cannot be applied (hashes or tokens of the wrong type
-or range, a namespace or tier beyond the caps) is skipped whole, before any change, and
-counted by reason; the rest of its batch applies. Memory errors propagate.
+its own: applying wire batches and clearing pods release the GIL and rely on the
+facade's lock). Failure: an event that cannot be applied (hashes or tokens of the wrong
+type or range, a namespace or tier beyond the caps) is skipped whole, before any
+change, and counted by reason; the rest of its batch applies. Memory errors propagate.
 """
 
 from libc.stdint cimport uint64_t, int64_t, uint32_t, int32_t, uint16_t, uint8_t, int8_t
@@ -939,7 +940,8 @@ cdef class Core:
         :meth:`_chain` / :meth:`_unref` (``scan`` accepted the bytes, so every event is
         of the common shape: only tier and namespace caps can refuse one). Runs without
         the GIL (the facade's lock guards the core), taking it only to create a tier
-        or namespace, to clear the pod, or to count a refusal."""
+        or namespace, to count a refusal, or to empty the pod's kept original hashes
+        when it is cleared."""
         cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(payload)
         cdef Py_ssize_t end = PyBytes_GET_SIZE(payload)
         cdef double ts
@@ -1633,14 +1635,6 @@ cdef Py_ssize_t _raw_count(object raw) except -2:
     finally:
         PyBuffer_Release(&view)
     return n
-
-
-cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int j
-    for j in range(k):
-        v = (v << 8) | p[j]
-    return v
 
 
 cdef int _raw_to_i64(object raw, Py_ssize_t n, int64_t* out) except -1:

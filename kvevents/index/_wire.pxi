@@ -42,6 +42,15 @@ ctypedef struct WEvent:
     Py_ssize_t mlen
 
 
+cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
+    """``k`` bytes at ``p`` as a big-endian unsigned integer (msgpack's byte order)."""
+    cdef uint64_t v = 0
+    cdef int j
+    for j in range(k):
+        v = (v << 8) | p[j]
+    return v
+
+
 cdef inline Py_ssize_t _w_len(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, uint8_t fix_lo,
                               uint8_t fix_mask, uint8_t b16, uint8_t b32, uint8_t b8,
                               int64_t* n) noexcept nogil:

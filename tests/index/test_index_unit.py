@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvevents.index import PrefixIndex
-from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.index import IndexBusy, PrefixIndex
+from kvevents.index.wire import IngestDecoder
+from kvevents.schema import AllBlocksCleared, BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
 
 
 @settings(max_examples=40, deadline=None)
@@ -282,18 +287,14 @@ def test_top_prefixes_cache_stays_bounded_whatever_is_asked():
 def test_lookup_waits_for_the_lock_at_most_its_timeout():
     """The HTTP handlers wait on the event loop for at most a timeout, then hand the
     wait to a thread: IndexBusy says the timeout passed."""
-    import time as _time
-
-    from kvevents.index import IndexBusy
-
     idx = PrefixIndex()
     with idx.lock:
         with pytest.raises(IndexBusy):
             idx.lookup([1, 2, 3], blocking=False)
-        t0 = _time.monotonic()
+        t0 = time.monotonic()
         with pytest.raises(IndexBusy):
             idx.lookup([1, 2, 3], timeout=0.05)
-        assert 0.04 <= _time.monotonic() - t0 < 1.0
+        assert 0.04 <= time.monotonic() - t0 < 1.0
     assert idx.lookup([1, 2, 3], timeout=0.05).engines == []
 
 
@@ -304,13 +305,6 @@ def test_clearing_a_large_pod_lets_other_threads_run(path):
     process. Here a Python thread keeps ticking while a 400k-block pod is cleared on
     another thread; with the GIL held the longest gap between its ticks would be the
     whole clear."""
-    import sys
-    import threading
-    import time
-
-    from kvevents.index.wire import IngestDecoder
-    from kvevents.schema import AllBlocksCleared, BatchEncoder
-
     n = 400_000
     idx = PrefixIndex()
     idx.apply_batch("a", KVEventBatch(0.0, [_stored(list(range(1, n + 1)), None, list(range(n)), bs=1)]))
