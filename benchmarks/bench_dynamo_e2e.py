@@ -47,7 +47,7 @@ import kvevents  # noqa: E402
 from common import machine, median, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
 from dynamo_side import engine_name, worker_id  # noqa: E402
 from kvevents.demo.fleet import free_port  # noqa: E402
-from kvevents.transport import pack_seq  # noqa: E402
+from kvevents.wire.framing import pack_seq  # noqa: E402
 from kvtrace import BS, TraceConfig, expected_blocks, generate, load_truth, read  # noqa: E402
 
 _APPLIED = re.compile(r'^dynamo_kvrouter_kv_cache_events_applied\{event_type="(\w+)",status="(\w+)"\} (\d+)',

@@ -87,7 +87,7 @@ def _p50(idx, prompts: list[list[int]], n: int) -> float:
 
 
 def _hostile_batches(shape: str, rng: np.random.Generator):
-    from kvevents.schema import BlockStored, KVEventBatch
+    from kvevents.wire.schema import BlockStored, KVEventBatch
 
     def stored(h: int, tokens: np.ndarray, bs: int, lora: str | None = None) -> BlockStored:
         return BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=tokens.tolist(),
@@ -114,7 +114,7 @@ def worker(shape: str, trace: str, truth: str, after: int, lookups: int) -> dict
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from kvevents.index import PrefixIndex
     from kvevents.index.wire import IngestDecoder
-    from kvevents.schema import BlockStored, KVEventBatch
+    from kvevents.wire.schema import BlockStored, KVEventBatch
 
     dec = IngestDecoder()  # as the aggregator decodes
     idx = PrefixIndex()

@@ -50,8 +50,8 @@ import kvevents  # noqa: E402
 from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
 from dynamo_side import worker_id  # noqa: E402
 from kvevents.demo.fleet import free_port  # noqa: E402
-from kvevents.schema import AllBlocksCleared, BatchDecoder, BatchEncoder, KVEventBatch  # noqa: E402
-from kvevents.transport import pack_seq  # noqa: E402
+from kvevents.wire.schema import AllBlocksCleared, BatchDecoder, BatchEncoder, KVEventBatch  # noqa: E402
+from kvevents.wire.framing import pack_seq  # noqa: E402
 from kvtrace import BS, TraceConfig, generate, load_truth, read  # noqa: E402
 
 

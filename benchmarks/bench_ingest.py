@@ -25,11 +25,11 @@ import time
 import zmq
 
 from common import machine, median, print_table, write_json
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.demo.fleet import free_port
-from kvevents.schema import BatchDecoder
-from kvevents.settings import AggregatorSettings, EngineSpec
-from kvevents.transport import pack_seq
+from kvevents.wire.schema import BatchDecoder
+from kvevents.service.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.framing import pack_seq
 from workload import Workload, read, write
 
 

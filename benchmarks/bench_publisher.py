@@ -22,8 +22,8 @@ import zmq
 
 from common import machine, median, percentile, print_table, write_json
 from kvevents.demo.fleet import free_port
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
 
 
 def _subscriber(endpoint: str, delay: float, ready, result, duration: float) -> None:

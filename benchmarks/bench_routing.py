@@ -25,9 +25,9 @@ from connector import OffloadConfig
 from kvevents.sim import EngineConfig, PagedEngine
 from kvevents.demo.workload import mooncake_trace
 from kvevents.index import PrefixIndex
-from kvevents.publisher import EventPublisher
-from kvevents.router import POLICIES, Candidate, EngineLoad
-from kvevents.schema import KVEventBatch
+from kvevents.wire.publisher import EventPublisher
+from kvevents.routing.policies import POLICIES, Candidate, EngineLoad
+from kvevents.wire.schema import KVEventBatch
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 

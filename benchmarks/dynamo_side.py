@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvevents.schema import BatchDecoder, BlockStored
+from kvevents.wire.schema import BatchDecoder, BlockStored
 
 from kvtrace import BS
 

@@ -21,7 +21,7 @@ announced twice on one engine while cached, and a stored block's parent is alway
 :func:`generate` writes three files into a directory and returns their paths:
 
 * ``trace.bin``: length-prefixed records ``(engine, msgpack payload)`` in publishing
-  order (vLLM's current map encoding, via :class:`kvevents.schema.BatchEncoder`;
+  order (vLLM's current map encoding, via :class:`kvevents.wire.schema.BatchEncoder`;
   a few events per batch, like an engine step), read back with :func:`read`;
 * ``truth.npz``: each engine's resident engine hashes at the end, and lookup prompts of
   2,048 and 32,768 tokens drawn from the trace (full hits, partial hits, misses);
@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
+from kvevents.wire.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch  # noqa: E402
 
 BS = 16
 VOCAB = 32_000  # a Llama-2-sized vocabulary: every token fits msgpack's uint16

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 16
 VOCAB = 128_000

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvevents.schema import Event
+from kvevents.wire.schema import Event
 
 from connector.step import RequestView, StepSchedule, StepTransfers, WorkerReport
 

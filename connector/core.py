@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvevents.schema import MEDIUM_CPU, Event
+from kvevents.wire.schema import MEDIUM_CPU, Event
 
 from connector.base import OffloadCore
 from connector.config import OffloadConfig

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvevents.schema import BlockRemoved, BlockStored, Event
+from kvevents.wire.schema import BlockRemoved, BlockStored, Event
 
 from connector.offload.abstract import OffloadingEvent, OffloadKey
 

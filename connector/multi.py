@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvevents.schema import Event
+from kvevents.wire.schema import Event
 
 from connector.base import OffloadCore
 from connector.step import RequestView, StepSchedule, StepTransfers, WorkerReport

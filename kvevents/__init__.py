@@ -4,4 +4,8 @@ The one place the version is written: packaging reads it (``[tool.setuptools.dyn
 and ``kvevents --version`` prints it.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+from kvevents import _compat
+
+_compat.install()  # the 0.1.0 module paths (kvevents.aggregator, ...) for one more release

@@ -13,7 +13,7 @@ import zmq
 # Ports below the ephemeral range: one chosen now and bound later must not be taken
 # meanwhile as some connection's source port (see there).
 from kvevents.demo.fleet import free_port  # noqa: F401  (re-exported for the tests)
-from kvevents.transport import unpack_seq
+from kvevents.wire.framing import unpack_seq
 
 
 def rebind(make, timeout: float = 5.0):

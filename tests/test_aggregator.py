@@ -8,10 +8,10 @@ import time
 import pytest
 
 from support import LossyForwarder, free_port, wait_until
-from kvevents.aggregator import Aggregator
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec, load_settings
+from kvevents.service.aggregator import Aggregator
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec, load_settings
 
 TOKS = list(range(32))
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from kvtrace import BS, MODEL, TraceConfig, chain_hashes, expected_blocks, generate, load_truth, read  # noqa: E402
 
 from kvevents.index import PrefixIndex  # noqa: E402
-from kvevents.schema import BatchDecoder, BlockRemoved, BlockStored  # noqa: E402
+from kvevents.wire.schema import BatchDecoder, BlockRemoved, BlockStored  # noqa: E402
 
 CFG = TraceConfig(engines=3, capacity=3000, steady=0.5, seed=5, lookup_prompts=16)
 

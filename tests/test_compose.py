@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from support import require_binary
-from kvevents.settings import EngineSpec
+from kvevents.service.settings import EngineSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = [f"engine-{i}" for i in range(4)]

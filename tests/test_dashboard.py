@@ -27,9 +27,9 @@ from support import PrometheusServer, ServerThread, free_port, require_binary, w
 from test_metrics import engine_exposition, simulated_engine
 from kvevents.sim.metrics import serve_metrics
 from kvevents.api import create_app
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboard/grafana/dashboards/kvevents.json"
 

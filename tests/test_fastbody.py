@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from kvevents.api._fastbody import lookup_body
 from kvevents.api.body import LookupBody
 from kvevents.api import create_app
-from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings
+from kvevents.wire.schema import BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings
 
 MSGSPEC = msgspec.json.Decoder(LookupBody)
 

@@ -23,12 +23,12 @@ import pytest
 import zmq
 
 from support import free_port, rebind, wait_until
-from kvevents.aggregator import Aggregator
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
-from kvevents.subscriber import BatchReceived, PublisherRestarted, SourceConfig, Subscriber
-from kvevents.transport import END_SEQ, pack_seq, replay_end_marker, unpack_seq
+from kvevents.service.aggregator import Aggregator
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
+from kvevents.ingest.subscriber import BatchReceived, PublisherRestarted, SourceConfig, Subscriber
+from kvevents.wire.framing import END_SEQ, pack_seq, replay_end_marker, unpack_seq
 
 ENC = BatchEncoder()
 TOKS = list(range(16))
@@ -668,7 +668,7 @@ def test_replaying_engine_shows_its_gap_in_v1_engines():
 
 
 def test_too_many_engines_for_the_budget_is_a_clear_error_at_start(tmp_path):
-    from kvevents.aggregator import EngineBudgetError
+    from kvevents.service.aggregator import EngineBudgetError
 
     engines = [f"p{i}=tcp://127.0.0.1:{_closed_port()}" for i in range(3)]
     with pytest.raises(EngineBudgetError, match="socket budget allows 2"):

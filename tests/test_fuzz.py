@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support import free_port, wait_until
-from kvevents.schema import BatchDecoder, BatchEncoder, BlockRemoved, BlockStored, KVEventBatch, PayloadError
-from kvevents.subscriber import BatchReceived, SourceConfig, Subscriber
-from kvevents.transport import pack_seq
+from kvevents.wire.schema import BatchDecoder, BatchEncoder, BlockRemoved, BlockStored, KVEventBatch, PayloadError
+from kvevents.ingest.subscriber import BatchReceived, SourceConfig, Subscriber
+from kvevents.wire.framing import pack_seq
 
 DECODER = BatchDecoder()
 

@@ -16,9 +16,9 @@ import pytest
 
 from support import ServerThread, free_port, wait_until
 from kvevents.api import create_app
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -120,6 +120,6 @@ def test_engine_endpoints_are_validated(server, body, field):
 
 
 def test_feed_json_replaces_non_finite_numbers():
-    from kvevents.feed import to_json
+    from kvevents.service.feed import to_json
 
     assert json.loads(to_json({"a": float("inf"), "b": [float("nan"), 1.5]})) == {"a": None, "b": [None, 1.5]}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvevents.settings import load_settings
+from kvevents.service.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"

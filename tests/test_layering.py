@@ -60,7 +60,7 @@ def test_only_the_simulator_imports_connector():
 def test_aggregator_import_path_loads_no_torch_no_connector():
     code = (
         "import json, sys\n"
-        "import kvevents.aggregator, kvevents.api, kvevents.serve, kvevents.cli, kvevents.tail\n"
+        "import kvevents.service.aggregator, kvevents.api, kvevents.cli.serve, kvevents.cli, kvevents.cli.tail\n"
         "app = kvevents.api.create_app\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'connector', 'vllm'})))\n"
     )

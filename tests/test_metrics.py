@@ -28,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support import ServerThread, free_port, require_binary, wait_until
 from kvevents.api import create_app
-from kvevents.publisher import NullEventPublisher, PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.publisher import NullEventPublisher, PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 # vLLM's metrics the simulated engine has too: name -> (type, extra labels beyond
 # model_name and engine).

@@ -17,9 +17,9 @@ import pytest
 from browser import READ_PAGE, Browser
 from support import LossyForwarder, ServerThread, free_port, require_binary, wait_until
 from kvevents.api import create_app
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 BS = 16

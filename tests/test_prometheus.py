@@ -6,9 +6,9 @@ import time
 
 from support import PrometheusServer, ServerThread, free_port, require_binary, wait_until
 from kvevents.api import create_app
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 
 def test_prometheus_scrapes_aggregator_metrics(tmp_path):

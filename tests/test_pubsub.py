@@ -9,15 +9,15 @@ import pytest
 import zmq
 
 from support import LossyForwarder, free_port, rebind, wait_until
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import (
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import (
     AllBlocksCleared,
     BatchEncoder,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
-from kvevents.subscriber import (
+from kvevents.ingest.subscriber import (
     BatchesLost,
     BatchReceived,
     GapDetected,
@@ -25,7 +25,7 @@ from kvevents.subscriber import (
     SourceConfig,
     Subscriber,
 )
-from kvevents.transport import END_SEQ_BYTES, pack_seq, unpack_seq
+from kvevents.wire.framing import END_SEQ_BYTES, pack_seq, unpack_seq
 
 
 class Recorder:

@@ -11,8 +11,8 @@ import pytest
 from support import ServerThread, free_port, wait_until
 from kvevents.api import create_app
 from kvevents.index import LookupResult, EngineMatch
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.router import (
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.routing.policies import (
     Candidate,
     EngineLoad,
     KVAwarePolicy,
@@ -20,8 +20,8 @@ from kvevents.router import (
     LeastLoadedPolicy,
     RoundRobinPolicy,
 )
-from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.schema import BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 PROMPT = list(range(1000, 3048))  # 2,048 tokens
 

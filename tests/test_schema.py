@@ -13,7 +13,7 @@ import struct
 import msgspec
 import pytest
 
-from kvevents.schema import (
+from kvevents.wire.schema import (
     AllBlocksCleared,
     BatchDecoder,
     BatchEncoder,

@@ -10,9 +10,9 @@ import pytest
 
 from support import LossyForwarder, ServerThread, free_port, wait_until
 from kvevents.api import create_app
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 BS = 4
 P = list(range(100, 124))  # a 24-token prompt: 6 blocks of 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from kvevents.settings import DEFAULT_PORT, AggregatorSettings, EngineSpec, SettingsError, load_settings
+from kvevents.service.settings import DEFAULT_PORT, AggregatorSettings, EngineSpec, SettingsError, load_settings
 
 
 def _errors(*args, **kwargs) -> list[str]:
@@ -162,7 +162,7 @@ def test_old_pod_names_still_load(tmp_path):
 
 
 def test_podspec_is_a_deprecated_alias_of_enginespec():
-    from kvevents.settings import PodSpec
+    from kvevents.service.settings import PodSpec
 
     assert PodSpec is EngineSpec
     assert PodSpec.parse("a=tcp://127.0.0.1:1") == EngineSpec("a", "tcp://127.0.0.1:1")

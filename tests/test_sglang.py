@@ -12,8 +12,8 @@ import time
 import pytest
 
 from support import free_port, wait_until
-from kvevents.aggregator import Aggregator
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.service.aggregator import Aggregator
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 
 try:
     from sglang.srt.disaggregation import kv_events as sgl
@@ -80,7 +80,7 @@ def test_sglang_publisher_is_indexed_exactly(setup):
 
 def test_bigram_pages_decode_without_losing_the_batch(setup):
     pub, agg = setup
-    from kvevents.schema import BatchDecoder, tokens_are_pairs
+    from kvevents.wire.schema import BatchDecoder, tokens_are_pairs
 
     bigram = sgl.BlockStored(block_hashes=[-77], parent_block_hash=None,
                              token_ids=[[1, 2], [2, 3], [3, 4], [4, 5]], block_size=PAGE,

@@ -13,13 +13,13 @@ import httpx
 import pytest
 
 from support import free_port, wait_until
-from kvevents import snapshot
+from kvevents.service import snapshot
 from kvevents.ingest import ratelog
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.index import PrefixIndex
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings
 
 BS = 4
 

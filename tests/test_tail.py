@@ -7,8 +7,8 @@ import sys
 import time
 
 from support import LossyForwarder, free_port
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 
 def test_tail_shows_a_lost_live_batch_recovered_through_replay():

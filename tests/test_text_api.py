@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import ServerThread, free_port, wait_until
 from text_tokenizer import build_bytelevel, build_metaspace, require_transformers
 from kvevents.api import create_app
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec, load_settings
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec, load_settings
 
 BS = 16
 CHAT = [{"role": "system", "content": "You route prompts to the engine that holds them."},

@@ -12,9 +12,9 @@ from browser import Browser
 from support import ServerThread, free_port, require_binary, wait_until
 from text_tokenizer import build_bytelevel, require_transformers
 from kvevents.api import create_app
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import BlockStored, KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import BlockStored, KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
 from kvevents.text import TextTokenizer
 from kvevents.text.chat import ChatMessage
 

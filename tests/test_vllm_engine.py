@@ -38,7 +38,7 @@ if importlib.util.find_spec("vllm") is None:
 import httpx  # noqa: E402
 import zmq  # noqa: E402
 
-from kvevents.schema import BatchDecoder, BlockRemoved, BlockStored  # noqa: E402
+from kvevents.wire.schema import BatchDecoder, BlockRemoved, BlockStored  # noqa: E402
 
 ENGINE_TIMEOUT = 420.0  # startup (40-75 s alone, more on a loaded machine) + scenario
 POD = "vllm-0"

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from kvevents.ingest import _zmqrecv
-from kvevents.subscriber import _DRAIN, _drain_compiled, _drain_python
+from kvevents.ingest.subscriber import _DRAIN, _drain_compiled, _drain_python
 
 MESSAGES = [
     [b"topic", (7).to_bytes(8, "big"), b"payload"],

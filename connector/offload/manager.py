@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvevents.schema import MEDIUM_CPU
+from kvevents.wire.schema import MEDIUM_CPU
 
 from connector.offload.abstract import (
     BlockStatus,

@@ -1,7 +1,7 @@
 """The aggregator's HTTP API (FastAPI): routers per feature, state on ``app.state``.
 
 ``create_app(settings)`` builds the app; its lifespan creates the
-:class:`~kvevents.aggregator.Aggregator`, starts it, and stops it on shutdown.
+:class:`~kvevents.service.aggregator.Aggregator`, starts it, and stops it on shutdown.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from starlette.routing import request_response
 
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.api import routes_ops, routes_engines, routes_query, routes_route, routes_snapshot
 from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
 from kvevents.api.limits import BodySizeLimit
-from kvevents.settings import AggregatorSettings
+from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerRegistry
 
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvevents.settings import ENGINE_NAME_PATTERN
+from kvevents.service.settings import ENGINE_NAME_PATTERN
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")

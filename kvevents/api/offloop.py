@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from starlette.concurrency import run_in_threadpool
 
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.index import IndexBusy, LookupResult
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from kvevents.aggregator import Aggregator, EngineBudgetError, EngineExistsError
+from kvevents.service.aggregator import Aggregator, EngineBudgetError, EngineExistsError
 from kvevents.api.auth import require_token
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, EngineBlocksResponse, EngineCreate, EnginesResponse
-from kvevents.settings import EngineSpec
+from kvevents.service.settings import EngineSpec
 
 router = APIRouter(prefix="/v1/engines", tags=["engines"])
 legacy_router = APIRouter(prefix="/v1/pods", tags=["engines"], deprecated=True)

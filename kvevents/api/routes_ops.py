@@ -11,9 +11,9 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.api.routes_engines import get_aggregator
-from kvevents.feed import parse_last_event_id, to_json
+from kvevents.service.feed import parse_last_event_id, to_json
 
 router = APIRouter(tags=["operations"])
 

@@ -7,7 +7,7 @@ import re
 import msgspec
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.api import offloop
 from kvevents.api.body import LookupBody, body_doc, decode_lookup
 from kvevents.api.errors import ApiError
@@ -15,7 +15,7 @@ from kvevents.api.models import ERRORS, BlockResponse, LookupResponse, PrefixesR
 from kvevents.api.prompt import get_tokenizers, prompt_token_ids
 from kvevents.api.routes_engines import get_aggregator
 from kvevents.index import LookupResult
-from kvevents.schema import BlockHash, hash_to_str
+from kvevents.wire.schema import BlockHash, hash_to_str
 from kvevents.text import TokenizerRegistry
 
 router = APIRouter(prefix="/v1", tags=["queries"])

@@ -6,14 +6,14 @@ import dataclasses
 
 from fastapi import APIRouter, Request, Response
 
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.api import offloop
 from kvevents.api.body import RouteBody, body_doc, decode_route
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, RouteResponse
 from kvevents.api.prompt import prompt_token_ids
 from kvevents.api.routes_query import json_response
-from kvevents.router import Candidate, EngineLoad, without_engines
+from kvevents.routing.policies import Candidate, EngineLoad, without_engines
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 

@@ -1,6 +1,6 @@
 """``GET /v1/snapshot``: this aggregator's current snapshot, for ``--bootstrap-from``.
 
-The body is the same checksummed file format as the data dir's (``kvevents.snapshot``);
+The body is the same checksummed file format as the data dir's (``kvevents.service.snapshot``);
 a fresh replica loads it and then follows the publishers itself. Guarded by the bearer
 token when one is set: it holds the whole index.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
-from kvevents.aggregator import Aggregator
+from kvevents.service.aggregator import Aggregator
 from kvevents.api.auth import require_token
 from kvevents.api.models import ERRORS
 from kvevents.api.routes_engines import get_aggregator

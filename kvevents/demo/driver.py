@@ -28,7 +28,7 @@ import zmq
 
 from kvevents.demo.fleet import EngineClient, Fleet
 from kvevents.demo.workload import DemoRequest
-from kvevents.router import Candidate, EngineLoad, LeastLoadedPolicy, RoundRobinPolicy
+from kvevents.routing.policies import Candidate, EngineLoad, LeastLoadedPolicy, RoundRobinPolicy
 
 
 @dataclass

@@ -46,7 +46,7 @@ import hashlib
 
 import msgspec
 
-from ..schema import (AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored,
+from ..wire.schema import (AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored,
                       RawTokensBlockStored)
 from .results import ApplyStats
 

@@ -432,7 +432,7 @@ cdef Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts) noexcept n
 cdef class WireBatch:
     """A received batch of the common shape, left as its bytes for :class:`Core` to
     apply in place (what ``scan`` returns). Reads like a decoded
-    :class:`~kvevents.schema.KVEventBatch`: ``ts``, and ``events`` decoded on demand
+    :class:`~kvevents.wire.schema.KVEventBatch`: ``ts``, and ``events`` decoded on demand
     (the general decoder; only slow paths ask)."""
 
     cdef readonly double ts

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
+from ..wire.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from . import queries, state
 from ._core import Core, WireBatch
 from .registry import EngineRegistry

@@ -14,7 +14,7 @@ import heapq
 import time
 from typing import TYPE_CHECKING
 
-from ..schema import BlockHash
+from ..wire.schema import BlockHash
 from .results import BlockHolder, BlockInfo, PrefixInfo
 
 if TYPE_CHECKING:

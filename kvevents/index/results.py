@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..schema import BlockHash
+from ..wire.schema import BlockHash
 
 
 class EngineMatch(msgspec.Struct, gc=False):

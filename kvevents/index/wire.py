@@ -3,14 +3,14 @@
 Most batches an engine publishes have one shape (map-encoded events, int hashes, int
 token ids, no LoRA or extra keys): for those, ``_core.scan`` checks the bytes and
 returns a :class:`WireBatch` that the core applies in place, with no Python object per
-event. Every other payload is decoded by :class:`~kvevents.schema.BatchDecoder` (token
+event. Every other payload is decoded by :class:`~kvevents.wire.schema.BatchDecoder` (token
 ids left raw), which defines what a payload means: the scan only accepts bytes that
 decode there to the same events (``tests/index/test_wire.py``).
 """
 
 from __future__ import annotations
 
-from ..schema import BatchDecoder, DecodeResult
+from ..wire.schema import BatchDecoder, DecodeResult
 from ._core import WireBatch, scan
 
 __all__ = ["IngestDecoder", "WireBatch"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvevents.schema import KVEventBatch
+from kvevents.wire.schema import KVEventBatch
 
 
 @dataclass(frozen=True, slots=True)

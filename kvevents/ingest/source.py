@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvevents.ingest.continuity import DigestRing
-from kvevents.transport import validate_endpoint
+from kvevents.wire.framing import check_engine_endpoint
 
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """One publisher to follow. ``replay_endpoint`` enables gap recovery."""
+    """One publisher to follow. ``replay_endpoint`` enables gap recovery. The service
+    makes it from an :class:`~kvevents.engines.EngineSpec` (``spec.source()``); the
+    endpoints are checked by the same rule (:func:`~kvevents.wire.framing.check_engine_endpoint`)."""
 
     name: str
     endpoint: str
@@ -32,9 +34,9 @@ class SourceConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("source name must not be empty")
-        validate_endpoint(self.endpoint)
+        check_engine_endpoint(self.endpoint, "endpoint", connect=not self.bind)
         if self.replay_endpoint is not None:
-            validate_endpoint(self.replay_endpoint)
+            check_engine_endpoint(self.replay_endpoint, "replay_endpoint", connect=True)
 
 
 @dataclass

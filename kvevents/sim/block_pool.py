@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvevents.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvevents.wire.schema import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 from kvevents.sim.request import Request
 

@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from kvevents.publisher import EventPublisher, NullEventPublisher
-from kvevents.schema import MEDIUM_CPU, MEDIUM_GPU, Event, KVEventBatch
+from kvevents.wire.publisher import EventPublisher, NullEventPublisher
+from kvevents.wire.schema import MEDIUM_CPU, MEDIUM_GPU, Event, KVEventBatch
 
 from connector.base import OffloadCore
 from connector.config import OffloadConfig

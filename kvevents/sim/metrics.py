@@ -51,8 +51,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvevents.publisher import EventPublisher, PublisherStats
-from kvevents.schema import BlockRemoved, BlockStored, KVEventBatch, medium_of
+from kvevents.wire.publisher import EventPublisher, PublisherStats
+from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch, medium_of
 
 if TYPE_CHECKING:
     from kvevents.sim.engine import PagedEngine

@@ -38,7 +38,7 @@ from connector.config import OffloadConfig
 from kvevents.sim.config import EngineConfig
 from kvevents.sim.engine import PagedEngine
 from kvevents.sim.metrics import CountingPublisher, EngineMetrics, serve_metrics
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.sim.rpc import EngineRpc
 
 log = logging.getLogger("kvevents.engine")

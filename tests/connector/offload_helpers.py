@@ -7,8 +7,8 @@ import time
 
 import zmq
 
-from kvevents.publisher import PublisherConfig, ZmqEventPublisher
-from kvevents.schema import AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, KVEventBatch, medium_of
+from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+from kvevents.wire.schema import AllBlocksCleared, BatchDecoder, BlockRemoved, BlockStored, KVEventBatch, medium_of
 
 _n = itertools.count()
 

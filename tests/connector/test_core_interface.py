@@ -13,7 +13,7 @@ import pytest
 from connector import CPUOffloadCore, KVCacheLayout, MultiConnector, OffloadConfig
 from connector.kv_pattern import KVPattern
 from connector.step import ScheduledRequest, StepSchedule, StepTransfers
-from kvevents.schema import BlockStored
+from kvevents.wire.schema import BlockStored
 from kvevents.sim.request import Request
 
 BS = 16

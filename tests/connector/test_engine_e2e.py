@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from kvevents.schema import BlockStored
+from kvevents.wire.schema import BlockStored
 
 from connector import OffloadConfig
 from kvevents.sim import EngineConfig, PagedEngine

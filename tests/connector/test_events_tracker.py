@@ -1,4 +1,4 @@
-from kvevents.schema import BlockRemoved, BlockStored
+from kvevents.wire.schema import BlockRemoved, BlockStored
 
 from connector.events_tracker import ChunkPayload, OffloadEventsTracker
 from connector.offload import OffloadingEvent, OffloadKey

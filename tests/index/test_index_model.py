@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvevents.index import PrefixIndex
 from kvevents.index.wire import IngestDecoder, WireBatch
-from kvevents.schema import (
+from kvevents.wire.schema import (
     AllBlocksCleared,
     BatchEncoder,
     BlockRemoved,

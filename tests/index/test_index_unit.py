@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvevents.index import IndexBusy, PrefixIndex
 from kvevents.index.wire import IngestDecoder
-from kvevents.schema import AllBlocksCleared, BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
+from kvevents.wire.schema import AllBlocksCleared, BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
 
 
 @settings(max_examples=40, deadline=None)
@@ -239,7 +239,7 @@ def test_raw_token_arrays_every_msgpack_int_width():
     """The ingest decoder leaves token ids as raw msgpack; the core reads every int
     width (fixint, uint8..64, int8..64, negative fixint) exactly as the list path
     does, refuses what is not an int64 and counts bigram pairs as unsupported."""
-    from kvevents.schema import BatchDecoder, BatchEncoder
+    from kvevents.wire.schema import BatchDecoder, BatchEncoder
 
     enc, raw = BatchEncoder(), BatchDecoder(raw_tokens=True)
     toks = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**62,

@@ -20,7 +20,7 @@ import pytest
 from kvevents.index import PrefixIndex
 from kvevents.index.wire import IngestDecoder, WireBatch
 from kvevents.index._core import scan
-from kvevents.schema import (
+from kvevents.wire.schema import (
     AllBlocksCleared,
     BatchDecoder,
     BatchEncoder,

@@ -2,7 +2,7 @@
 
 Metrics are objects bound to a registry passed in, never import-time globals (two
 aggregators in one process must not collide). Counters that mirror live state (the
-subscriber's and the index's) are built from a :class:`~kvevents.fleet_view.FleetView`
+subscriber's and the index's) are built from a :class:`~kvevents.service.view.FleetView`
 at scrape time, for the engines followed *now*: an engine removed is gone from the
 next scrape. Only what has no state elsewhere (latency and lag distributions, lookup
 totals) is observed as it happens; a removed engine's lag series is removed with it.
@@ -76,11 +76,11 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 from prometheus_client.registry import Collector
 
-from kvevents.fleet_view import FleetView
+from kvevents.service.view import FleetView
 
 if TYPE_CHECKING:
     from kvevents.index import LookupResult
-    from kvevents.schema import KVEventBatch
+    from kvevents.wire.schema import KVEventBatch
 
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LATENCY_BUCKETS = (

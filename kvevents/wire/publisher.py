@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvevents.schema import BatchEncoder, KVEventBatch
-from kvevents.transport import (
+from kvevents.wire.schema import BatchEncoder, KVEventBatch
+from kvevents.wire.framing import (
     offset_endpoint,
     pack_seq,
     replay_end_marker,

@@ -15,7 +15,7 @@ import sys
 import uvicorn
 
 from kvevents.api import create_app
-from kvevents.settings import AggregatorSettings
+from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerLoadError
 
 log = logging.getLogger(__name__)

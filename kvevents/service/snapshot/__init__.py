@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvevents.schema import peek_batch_ts
-from kvevents.settings import AggregatorSettings, EngineSpec
-from kvevents.transport import END_SEQ, pack_seq, unpack_seq
+from kvevents.wire.schema import peek_batch_ts
+from kvevents.service.settings import AggregatorSettings, EngineSpec
+from kvevents.wire.framing import END_SEQ, pack_seq, parse_replay_reply
 
 if TYPE_CHECKING:
     from kvevents.index import PrefixIndex
@@ -205,17 +205,10 @@ def check_continuity(replay_endpoint: str, last_seq: int, last_ts: float,
         while (left := deadline - time.monotonic()) > 0:
             if not dealer.poll(int(left * 1000) + 1):
                 break
-            frames = dealer.recv_multipart()
-            if len(frames) == 4 and frames[0] == b"":
-                seq_frame, payload = frames[2], frames[3]
-            elif len(frames) == 3 and frames[0] == b"":
-                seq_frame, payload = frames[1], frames[2]
-            else:
+            reply = parse_replay_reply(dealer.recv_multipart())
+            if reply is None:
                 continue
-            try:
-                seq = unpack_seq(seq_frame)
-            except ValueError:
-                continue
+            seq, payload = reply
             if seq == END_SEQ:
                 return RESTARTED  # the publisher never got as far as our anchor
             if seq > last_seq:

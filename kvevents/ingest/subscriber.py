@@ -66,15 +66,15 @@ from kvevents.ingest.signals import (
     Signal,
 )
 from kvevents.ingest.source import SourceConfig, SourceStats, SourceState
-from kvevents.schema import BatchDecoder, DecodeResult, PayloadError, peek_batch_ts
-from kvevents.transport import END_SEQ, pack_seq, unpack_seq
+from kvevents.wire.schema import BatchDecoder, DecodeResult, PayloadError, peek_batch_ts
+from kvevents.wire.framing import END_SEQ, pack_seq, parse_replay_reply, unpack_seq
 
 log = logging.getLogger(__name__)
 
 
 class PayloadDecoder(Protocol):
-    """What turns a payload into a batch: :class:`~kvevents.schema.BatchDecoder`'s
-    ``decode`` (raises :class:`~kvevents.schema.PayloadError` for a non-batch)."""
+    """What turns a payload into a batch: :class:`~kvevents.wire.schema.BatchDecoder`'s
+    ``decode`` (raises :class:`~kvevents.wire.schema.PayloadError` for a non-batch)."""
 
     def decode(self, payload: bytes) -> DecodeResult: ...
 
@@ -182,7 +182,7 @@ class Subscriber:
         batches of one source taken in one drain of its socket as one
         :class:`BatchesReceived` instead of one :class:`BatchReceived` each (a source's
         stats then show them once they were delivered). ``decoder``: decodes each
-        payload instead of a :class:`~kvevents.schema.BatchDecoder` (the aggregator's,
+        payload instead of a :class:`~kvevents.wire.schema.BatchDecoder` (the aggregator's,
         ``kvevents.index.IngestDecoder``, keeps common batches as bytes for the index)."""
         self._consumer = consumer
         self._drain = _DRAIN if compiled_recv else _drain_python
@@ -720,19 +720,11 @@ class Subscriber:
             log.warning("replay request of %s failed (%s); retrying", src.config.name, exc)
 
     def _on_replay(self, src: SourceState, frames: list[bytes]) -> None:
-        # Current: [b"", topic, seq, payload]; older: [b"", seq, payload].
-        if len(frames) == 4 and frames[0] == b"":
-            seq_frame, payload = frames[2], frames[3]
-        elif len(frames) == 3 and frames[0] == b"":
-            seq_frame, payload = frames[1], frames[2]
-        else:
+        reply = parse_replay_reply(frames)
+        if reply is None:
             src.stats.malformed_frames += 1
             return
-        try:
-            seq = unpack_seq(seq_frame)
-        except ValueError:
-            src.stats.malformed_frames += 1
-            return
+        seq, payload = reply
         if src.replay_deadline is None:
             return  # a late reply to a replay that already ended
         if seq == END_SEQ:

@@ -27,13 +27,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Shows each option's default unless its help already states it.
 
     ``{default}`` in a ``serve`` option's help is the default of the setting of the same
-    name, looked up only when help is printed (kvevents.settings imports pydantic).
+    name, looked up only when help is printed (kvevents.service.settings imports pydantic).
     """
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if "{default}" in text:
-            from kvevents.settings import field_default
+            from kvevents.service.settings import field_default
 
             value = field_default(action.dest)
             text = text.replace("{default}", f"{value:g}" if isinstance(value, float) else str(value))
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvevents.settings import SettingsError, load_settings
+    from kvevents.service.settings import SettingsError, load_settings
 
     try:
         settings = load_settings(
@@ -163,7 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except SettingsError as exc:
         return fail("kvevents serve", exc.lines)
-    from kvevents.serve import ListenError, run_server
+    from kvevents.cli.serve import ListenError, run_server
 
     try:
         return run_server(settings)
@@ -172,7 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _tail(args: argparse.Namespace) -> int:
-    from kvevents.tail import run_tail
+    from kvevents.cli.tail import run_tail
 
     try:
         return run_tail(

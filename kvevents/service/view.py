@@ -1,7 +1,7 @@
 """The narrow, read-only view of the aggregator that its metrics read.
 
-:class:`~kvevents.aggregator.Aggregator` satisfies :class:`FleetView` structurally;
-:mod:`kvevents.metrics` depends on this module only, so imports run one way
+:class:`~kvevents.service.aggregator.Aggregator` satisfies :class:`FleetView` structurally;
+:mod:`kvevents.service.metrics` depends on this module only, so imports run one way
 (``aggregator -> metrics -> fleet_view``) and a test can hand the metrics any object
 with these few read methods. Every method is safe to call from any thread (the
 Prometheus scrape runs on an HTTP thread) and returns a snapshot.
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from kvevents.index.results import IndexCounters
     from kvevents.ingest.budget import Budget
-    from kvevents.settings import EngineSpec
-    from kvevents.subscriber import SourceStats
+    from kvevents.service.settings import EngineSpec
+    from kvevents.ingest.subscriber import SourceStats
 
 
 class IndexView(Protocol):

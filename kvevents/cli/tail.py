@@ -22,8 +22,8 @@ import threading
 import time
 from typing import TextIO
 
-from kvevents.schema import AllBlocksCleared, BlockRemoved, BlockStored, hash_to_str, medium_of
-from kvevents.subscriber import (
+from kvevents.wire.schema import AllBlocksCleared, BlockRemoved, BlockStored, hash_to_str, medium_of
+from kvevents.ingest.subscriber import (
     BatchesLost,
     BatchReceived,
     GapDetected,

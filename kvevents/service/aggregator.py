@@ -2,9 +2,9 @@
 
 Ownership and threads:
 
-* :class:`Aggregator` owns a :class:`~kvevents.subscriber.Subscriber` (one thread that
+* :class:`Aggregator` owns a :class:`~kvevents.ingest.subscriber.Subscriber` (one thread that
   owns every ZeroMQ socket), the :class:`~kvevents.index.PrefixIndex`, the engine registry
-  and the :class:`~kvevents.feed.EventFeed`.
+  and the :class:`~kvevents.service.feed.EventFeed`.
 * Ingest runs on the subscriber thread, off the HTTP event loop: each batch is applied
   to the index in per-publisher seq order as the subscriber delivers it (the index takes
   its own lock, so lookups from HTTP threads see whole batches).
@@ -19,7 +19,7 @@ Ownership and threads:
   (:mod:`kvevents.ingest.budget`).
 
 * Durable restarts (``data_dir``): the index and each engine's last applied (seq, ts) are
-  captured together under ``_apply_lock`` and written by :mod:`kvevents.snapshot`
+  captured together under ``_apply_lock`` and written by :mod:`kvevents.service.snapshot`
   every ``snapshot_interval_s`` and on ``stop()``. The constructor restores the newest
   whole snapshot (or a peer's, ``bootstrap_from``), checks each engine's continuity and
   resumes it at the next seq, or drops that engine's restored state (counted).
@@ -39,17 +39,17 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry
 
-from kvevents import snapshot
-from kvevents.feed import EventFeed
+from kvevents.service import snapshot
+from kvevents.service.feed import EventFeed
 from kvevents.ingest import ratelog
 from kvevents.ingest.budget import Budget, make_context, plan_budget
 from kvevents.index import ApplyStats, IngestDecoder, LookupResult, PrefixIndex
 from kvevents.index.results import add_stats
-from kvevents.metrics import AggregatorMetrics
-from kvevents.router import KVAwarePolicy
-from kvevents.schema import KVEventBatch
-from kvevents.settings import AggregatorSettings, EngineSpec
-from kvevents.subscriber import (
+from kvevents.service.metrics import AggregatorMetrics
+from kvevents.routing.policies import KVAwarePolicy
+from kvevents.wire.schema import KVEventBatch
+from kvevents.service.settings import AggregatorSettings, EngineSpec
+from kvevents.ingest.subscriber import (
     BatchesLost,
     BatchesReceived,
     GapDetected,

@@ -42,113 +42,11 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvevents.defaults import DEFAULT_PORT
-from kvevents.transport import validate_endpoint
+from kvevents.engines.spec import ENGINE_NAME_PATTERN, EngineSpec, PodSpec
 
-ENGINE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-_ENGINE_NAME = re.compile(ENGINE_NAME_PATTERN)
 ENV_PREFIX = "KVEVENTS_"
 __all__ = ["DEFAULT_PORT", "AggregatorSettings", "EngineSpec", "PodSpec", "SettingsError",
            "load_settings"]
-
-
-class EndpointError(ValueError):
-    """An engine endpoint the subscriber could not use; ``field`` names which one."""
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-def check_engine_endpoint(endpoint: str, field: str, *, connect: bool) -> None:
-    """Raise :class:`EndpointError` unless ``endpoint`` works for the subscriber.
-
-    Every tcp endpoint needs a port in 1..65535; one the subscriber connects to (the
-    live endpoint unless ``bind``, and always the replay endpoint) also needs a real
-    host, not a wildcard: ZeroMQ refuses ``connect("tcp://*:5557")``.
-    """
-    try:
-        validate_endpoint(endpoint)
-    except ValueError as exc:
-        raise EndpointError(f"{field}: {exc}", field) from None
-    if not endpoint.startswith("tcp://"):
-        return
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EndpointError(f"{field}: port must be 1..65535 in {endpoint!r}", field)
-    if connect and host.strip("[]") in ("*", "0.0.0.0", "::", ""):
-        raise EndpointError(
-            f"{field}: {endpoint!r} is a wildcard address the subscriber cannot connect to; "
-            "give the publisher's host (or bind=1 for publishers that connect to us)", field)
-
-
-def validate_engine_name(name: str) -> str:
-    if not _ENGINE_NAME.match(name):
-        raise ValueError(
-            f"engine name {name!r} must be 1-128 characters of letters, digits, '.', '_', ':' or '-'"
-        )
-    return name
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """One publisher the aggregator follows. ``bind``: publishers connect to us."""
-
-    name: str
-    endpoint: str
-    replay_endpoint: str | None = None
-    model: str | None = None
-    topic: str = ""
-    bind: bool = False
-
-    def __post_init__(self) -> None:
-        validate_engine_name(self.name)
-        check_engine_endpoint(self.endpoint, "endpoint", connect=not self.bind)
-        if self.replay_endpoint is not None:
-            check_engine_endpoint(self.replay_endpoint, "replay_endpoint", connect=True)
-
-    @classmethod
-    def parse(cls, text: str) -> EngineSpec:
-        """Parse ``NAME=ENDPOINT[,replay=E][,model=M][,topic=T][,bind=1]``."""
-        name, sep, rest = text.partition("=")
-        if not sep or not rest:
-            raise ValueError(f"expected NAME=tcp://HOST:PORT[,replay=...], got {text!r}")
-        endpoint, *opts = rest.split(",")
-        kw: dict[str, Any] = {}
-        for opt in opts:
-            key, sep, value = opt.partition("=")
-            key = key.strip()
-            if not sep:
-                raise ValueError(f"option {opt!r} in {text!r} must be key=value")
-            if key == "replay":
-                kw["replay_endpoint"] = value
-            elif key in ("model", "topic"):
-                kw[key] = value
-            elif key == "bind":
-                kw["bind"] = value.lower() in ("1", "true", "yes")
-            else:
-                raise ValueError(f"unknown option {key!r} in {text!r} (replay, model, topic, bind)")
-        return cls(name=name.strip(), endpoint=endpoint.strip(), **kw)
-
-    @classmethod
-    def from_table(cls, table: Mapping[str, Any]) -> EngineSpec:
-        """An engine written as a table (config file); unknown keys are errors."""
-        known = ("name", "endpoint", "replay_endpoint", "model", "topic", "bind")
-        unknown = sorted(set(table) - set(known))
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} (keys: {', '.join(known)})")
-        missing = [k for k in ("name", "endpoint") if k not in table]
-        if missing:
-            raise ValueError(f"missing key {missing[0]!r}")
-        for key, value in table.items():
-            want = bool if key == "bind" else str
-            if not isinstance(value, want) and not (value is None and key in ("replay_endpoint", "model")):
-                raise ValueError(f"key {key!r} must be a {want.__name__}, got {value!r}")
-        return cls(**table)
-
-
-#: Deprecated alias of :class:`EngineSpec` (engines were called pods before); kept for
-#: code that embeds the aggregator and still imports the old name.
-PodSpec = EngineSpec
 
 
 def parse_tokenizer(text: str) -> tuple[str, str]:

@@ -76,3 +76,49 @@ def validate_endpoint(endpoint: str) -> str:
     if not parts.hostname or port is None:
         raise ValueError(f"tcp endpoint needs HOST:PORT: {endpoint!r}")
     return endpoint
+
+
+class EndpointError(ValueError):
+    """An engine endpoint the subscriber could not use; ``field`` names which one."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_engine_endpoint(endpoint: str, field: str, *, connect: bool) -> None:
+    """Raise :class:`EndpointError` unless ``endpoint`` works for the subscriber.
+
+    Every tcp endpoint needs a port in 1..65535; one the subscriber connects to (the
+    live endpoint unless ``bind``, and always the replay endpoint) also needs a real
+    host, not a wildcard: ZeroMQ refuses ``connect("tcp://*:5557")``.
+    """
+    try:
+        validate_endpoint(endpoint)
+    except ValueError as exc:
+        raise EndpointError(f"{field}: {exc}", field) from None
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EndpointError(f"{field}: port must be 1..65535 in {endpoint!r}", field)
+    if connect and host.strip("[]") in ("*", "0.0.0.0", "::", ""):
+        raise EndpointError(
+            f"{field}: {endpoint!r} is a wildcard address the subscriber cannot connect to; "
+            "give the publisher's host (or bind=1 for publishers that connect to us)", field)
+
+
+def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """``(seq, payload)`` of one replay reply after the ROUTER identity: the current
+    shape ``[b"", topic, seq, payload]`` or the older ``[b"", seq, payload]``; ``seq``
+    is :data:`END_SEQ` for the end marker. None for anything else (a wrong frame count
+    or a seq frame that is not 8 bytes): the caller counts it and skips it."""
+    if len(frames) == 4 and frames[0] == b"":
+        seq_frame, payload = frames[2], frames[3]
+    elif len(frames) == 3 and frames[0] == b"":
+        seq_frame, payload = frames[1], frames[2]
+    else:
+        return None
+    if len(seq_frame) != 8:
+        return None
+    return _SEQ.unpack(seq_frame)[0], payload
