@@ -214,11 +214,14 @@ def test_openapi_documents_the_api(fleet):
 
 def test_old_pod_paths_and_fields_still_answer(fleet):
     """Engines were called pods: /v1/pods... and a route candidate's ``pod`` field still
-    work (same handlers, new names in the answers), and OpenAPI marks them deprecated."""
+    work (same handlers; answers carry 0.1.0's keys beside the new ones until 0.3.0, as
+    do /v1/lookup's and /v1/route's), and OpenAPI marks them deprecated."""
     srv, _, _ = fleet
     url, auth = srv.url, {"Authorization": "Bearer s3cret"}
     names = lambda path: [p["name"] for p in httpx.get(f"{url}{path}").json()["engines"]]  # noqa: E731
     assert names("/v1/pods") == names("/v1/engines") == ["a", "b"]
+    old = httpx.get(f"{url}/v1/pods").json()
+    assert old["pods"] == old["engines"] and "pods" not in httpx.get(f"{url}/v1/engines").json()
     c = Pub(legacy=False)
     try:
         new = {"name": "c", "endpoint": f"tcp://127.0.0.1:{c.live}", "model": "m"}
@@ -228,7 +231,12 @@ def test_old_pod_paths_and_fields_still_answer(fleet):
         assert names("/v1/engines") == ["a", "b", "c"]
         c.send(BlockStored([77], None, Q[:4], BS, None, "GPU", None))
         assert wait_until(lambda: httpx.get(f"{url}/v1/pods/c/blocks").json()
-                          == {"engine": "c", "tiers": {"GPU": [77]}}, 10)
+                          == {"engine": "c", "pod": "c", "tiers": {"GPU": [77]}}, 10)
+        assert httpx.get(f"{url}/v1/engines/c/blocks").json() == {"engine": "c", "tiers": {"GPU": [77]}}
+        found = httpx.post(f"{url}/v1/lookup", json={"token_ids": Q[:BS], "model": "m"}).json()
+        assert [e["engine"] for e in found["engines"]] == ["c"]
+        assert found["pods"] == [{"pod": e["engine"], **{k: v for k, v in e.items() if k != "engine"}}
+                                 for e in found["engines"]]
         assert httpx.delete(f"{url}/v1/pods/c", headers=auth).status_code == 204
         assert names("/v1/engines") == ["a", "b"]
         assert httpx.get(f"{url}/v1/pods/c/blocks").status_code == 404
@@ -240,6 +248,7 @@ def test_old_pod_paths_and_fields_still_answer(fleet):
 
     r = route([{"pod": "b"}, {"engine": "a", "load": {"running": 1}}])
     assert r.status_code == 200 and {s["engine"] for s in r.json()["scores"]} == {"a", "b"}, r.text
+    assert r.json()["pod"] == r.json()["engine"]
     for bad, field in (([{"pod": "a", "engine": "a"}], "candidates[0].engine"),
                        ([{"load": {"running": 1}}], "candidates[0].engine"),
                        ([{"pod": "zz"}], "candidates[0].engine")):
@@ -256,6 +265,11 @@ def test_old_pod_paths_and_fields_still_answer(fleet):
             assert not paths[new_path][m].get("deprecated"), (new_path, m)
     candidate = spec["components"]["schemas"]["CandidateBody"]["properties"]
     assert candidate["pod"].get("deprecated") is True and "deprecated" not in candidate["engine"]
+    schemas = spec["components"]["schemas"]
+    for model, old_key, new_key in (("LookupResponse", "pods", "engines"), ("RouteResponse", "pod", "engine"),
+                                    ("PodsResponse", "pods", "engines"), ("PodBlocksResponse", "pod", "engine")):
+        props = schemas[model]["properties"]
+        assert props[old_key].get("deprecated") is True and "deprecated" not in props[new_key], model
 
 
 def test_handlers_never_block_the_event_loop_on_the_index_lock():

@@ -1,7 +1,9 @@
 """The aggregator's HTTP API (FastAPI): routers per feature, state on ``app.state``.
 
 ``create_app(settings)`` builds the app; its lifespan creates the
-:class:`~kvevents.service.aggregator.Aggregator`, starts it, and stops it on shutdown.
+:class:`~kvevents.service.aggregator.Aggregator`, starts it, and stops it on shutdown;
+``app.state.routing`` is the :class:`~kvevents.routing.Router` over it. Handlers are
+thin: they decode, call the service or the router, and encode.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from starlette.routing import request_response
 
-from kvevents.service.aggregator import Aggregator
-from kvevents.api import routes_ops, routes_engines, routes_query, routes_route, routes_snapshot
+from kvevents import __version__
+from kvevents.api import routes_engines, routes_ops, routes_query, routes_route, routes_snapshot
 from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
 from kvevents.api.limits import BodySizeLimit
+from kvevents.routing import Router
+from kvevents.service.aggregator import Aggregator
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerRegistry
 
@@ -35,11 +39,13 @@ def create_app(
     async def lifespan(app: FastAPI):
         if aggregator is not None:
             app.state.aggregator = aggregator
+            app.state.routing = Router(aggregator)
             yield
             return
         agg = Aggregator(settings, registry)
         agg.start()
         app.state.aggregator = agg
+        app.state.routing = Router(agg)
         try:
             yield
         finally:
@@ -47,7 +53,7 @@ def create_app(
 
     app = FastAPI(
         title="kvevents aggregator",
-        version="0.1.0",
+        version=__version__,
         description="Which KV cache prefixes live on which engine and tier, from vLLM-compatible "
                     "KV events.",
         lifespan=lifespan,

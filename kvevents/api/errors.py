@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvevents.text.prompt import InputError
+
 
 class ApiError(Exception):
     """Raise from a handler to answer ``status`` with a named field."""
@@ -43,6 +45,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.field, exc.headers)
+
+    @app.exception_handler(InputError)  # refused by the router or the prompt's tokenizer
+    async def _input_error(_: Request, exc: InputError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.field)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

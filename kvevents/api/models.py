@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvevents.service.settings import ENGINE_NAME_PATTERN
+from kvevents.engines import ENGINE_NAME_PATTERN
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -28,8 +28,12 @@ class EngineScoreOut(BaseModel):
     eligible: bool = Field(description="False when the load guard excluded it.")
 
 
+_OLD = "Deprecated: 0.1.0's name (engines were called pods); removed in 0.3.0. "
+
+
 class RouteResponse(BaseModel):
     engine: str
+    pod: str | None = Field(None, deprecated=True, description=_OLD + "Same as `engine`.")
     matched_tokens: int
     tiers: dict[str, int]
     scores: list[EngineScoreOut]
@@ -44,10 +48,19 @@ class EngineMatchOut(BaseModel):
                                                 "--down-after seconds: not offered for routing.")
 
 
+class PodMatchOut(BaseModel):
+    pod: str
+    matched_tokens: int
+    tiers: dict[str, int]
+    down: bool | None = None
+
+
 class LookupResponse(BaseModel):
     prompt_tokens: int
     block_size: int
     engines: list[EngineMatchOut] = Field(description="Engines holding a prefix, best first.")
+    pods: list[PodMatchOut] | None = Field(None, deprecated=True,
+                                           description=_OLD + "Same as `engines`, keyed `pod`.")
 
 
 class EngineCreate(_Strict):
@@ -92,6 +105,18 @@ class EngineBlocksResponse(BaseModel):
 
 class EnginesResponse(BaseModel):
     engines: list[EngineOut]
+
+
+class PodsResponse(EnginesResponse):
+    """``GET /v1/pods`` (deprecated): the engines, also under 0.1.0's key."""
+
+    pods: list[EngineOut] = Field(deprecated=True, description=_OLD + "Same as `engines`.")
+
+
+class PodBlocksResponse(EngineBlocksResponse):
+    """``GET /v1/pods/{name}/blocks`` (deprecated): also 0.1.0's key."""
+
+    pod: str = Field(deprecated=True, description=_OLD + "Same as `engine`.")
 
 
 class BlockHolderOut(BaseModel):

@@ -1,18 +1,20 @@
 """``/v1/engines``: which publishers the aggregator follows, and changing that at run time.
 
 The same handlers also answer at the old paths ``/v1/pods...`` (engines were called pods
-before), marked deprecated in the OpenAPI document; they answer with the new names.
+before), marked deprecated in the OpenAPI document; there the answers carry 0.1.0's keys
+(``pods``, ``pod``) beside the new ones, until 0.3.0.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from kvevents.service.aggregator import Aggregator, EngineBudgetError, EngineExistsError
 from kvevents.api.auth import require_token
 from kvevents.api.errors import ApiError
-from kvevents.api.models import ERRORS, EngineBlocksResponse, EngineCreate, EnginesResponse
-from kvevents.service.settings import EngineSpec
+from kvevents.api.models import (ERRORS, EngineBlocksResponse, EngineCreate, EnginesResponse,
+                                 PodBlocksResponse, PodsResponse)
+from kvevents.engines import EngineBudgetError, EngineExistsError, EngineSpec
+from kvevents.service.aggregator import Aggregator
 
 router = APIRouter(prefix="/v1/engines", tags=["engines"])
 legacy_router = APIRouter(prefix="/v1/pods", tags=["engines"], deprecated=True)
@@ -33,7 +35,7 @@ def add_engine(body: EngineCreate, agg: Aggregator = Depends(get_aggregator)) ->
     except ValueError as exc:
         raise ApiError(422, str(exc), getattr(exc, "field", "endpoint")) from None
     try:
-        agg.add_engine(spec)
+        agg.add_engine(spec, origin="api")
     except EngineExistsError as exc:
         raise ApiError(409, str(exc), "name") from None
     except EngineBudgetError as exc:  # out of sockets/files for another engine
@@ -61,15 +63,26 @@ def engine_blocks(name: str, agg: Aggregator = Depends(get_aggregator)) -> dict:
         for tier, hashes in tiers.items()}}
 
 
-for _r in (router, legacy_router):
-    _r.add_api_route("", list_engines, methods=["GET"], response_model=EnginesResponse,
+def list_engines_legacy(agg: Aggregator = Depends(get_aggregator)) -> dict:
+    engines = agg.engine_statuses()
+    return {"engines": engines, "pods": engines}
+
+
+def engine_blocks_legacy(name: str, agg: Aggregator = Depends(get_aggregator)) -> dict:
+    return {**engine_blocks(name, agg), "pod": name}
+
+
+for _r, _list, _blocks, _lmodel, _bmodel in (
+        (router, list_engines, engine_blocks, EnginesResponse, EngineBlocksResponse),
+        (legacy_router, list_engines_legacy, engine_blocks_legacy, PodsResponse, PodBlocksResponse)):
+    _r.add_api_route("", _list, methods=["GET"], response_model=_lmodel,
                      summary="Every publisher and its state")
     _r.add_api_route("", add_engine, methods=["POST"], status_code=201, responses=ERRORS,
                      dependencies=[Depends(require_token)], summary="Subscribe to a publisher")
     _r.add_api_route("/{name}", delete_engine, methods=["DELETE"], status_code=204,
                      responses=ERRORS, dependencies=[Depends(require_token)],
                      summary="Unsubscribe from a publisher and drop its state")
-    _r.add_api_route("/{name}/blocks", engine_blocks, methods=["GET"],
-                     response_model=EngineBlocksResponse, responses=ERRORS,
+    _r.add_api_route("/{name}/blocks", _blocks, methods=["GET"],
+                     response_model=_bmodel, responses=ERRORS,
                      summary="What an engine holds: its resident engine block hashes per tier")
-del _r
+del _r, _list, _blocks, _lmodel, _bmodel

@@ -7,16 +7,16 @@ import re
 import msgspec
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from kvevents.service.aggregator import Aggregator
-from kvevents.api import offloop
 from kvevents.api.body import LookupBody, body_doc, decode_lookup
 from kvevents.api.errors import ApiError
 from kvevents.api.models import ERRORS, BlockResponse, LookupResponse, PrefixesResponse
-from kvevents.api.prompt import get_tokenizers, prompt_token_ids
 from kvevents.api.routes_engines import get_aggregator
 from kvevents.index import LookupResult
-from kvevents.wire.schema import BlockHash, hash_to_str
+from kvevents.routing.offloop import lookup as lookup_off_loop
+from kvevents.routing.offloop import prompt_token_ids
+from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
+from kvevents.wire.schema import BlockHash, hash_to_str
 
 router = APIRouter(prefix="/v1", tags=["queries"])
 _json = msgspec.json.Encoder()
@@ -28,13 +28,17 @@ def json_response(payload: object, status: int = 200) -> Response:
 
 
 def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = frozenset()) -> dict:
-    """``down``: engines gone for ``down_after_s``; still listed, marked ``"down": true``."""
+    """``down``: engines gone for ``down_after_s``; still listed, marked ``"down": true``.
+    The answer also carries 0.1.0's ``pods`` (entries keyed ``pod``), deprecated."""
     engines = [{"engine": p.engine, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.engines]
     if down:
         for entry in engines:
             if entry["engine"] in down:
                 entry["down"] = True
-    return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "engines": engines}
+    # "pods" with "pod" entries: 0.1.0's names, for routers written against them (until 0.3.0).
+    pods = [{"pod": e["engine"], **{k: v for k, v in e.items() if k != "engine"}} for e in engines]
+    return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "engines": engines,
+            "pods": pods}
 
 
 # async: the lookup is CPU-light and short, so it runs on the event loop instead of
@@ -47,10 +51,17 @@ def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = froze
 async def lookup(request: Request) -> Response:
     body = await decode_lookup(request)
     agg: Aggregator = request.app.state.aggregator
-    token_ids = await prompt_token_ids(body, request.app.state.tokenizers,
-                                       agg.settings.max_prompt_tokens)
-    result = await offloop.lookup(agg, token_ids, body.model, body.lora_name, "lookup")
+    token_ids = await prompt_token_ids(
+        request.app.state.tokenizers, agg.settings.max_prompt_tokens,
+        model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages)
+    result = await lookup_off_loop(agg, token_ids, body.model, body.lora_name, "lookup")
     return json_response(lookup_payload(result, agg.unroutable_engines()))
+
+
+# async, as every dependency of the handlers must be: FastAPI runs a plain ``def``
+# dependency on the thread pool, a thread hop per request.
+async def get_tokenizers(request: Request) -> TokenizerRegistry:
+    return request.app.state.tokenizers
 
 
 # ASCII digits only: str.isdigit() also accepts "²", which int() then rejects.

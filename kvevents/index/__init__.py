@@ -7,11 +7,17 @@ Files, one concept each::
     _tables.pxi   its open-addressing hash tables (included by _core.pyx)
     _wire.pxi     its reader of the common wire batch, applied from the bytes
     wire.py       IngestDecoder: common batches stay bytes (WireBatch), others decode
-    registry.py   engine names <-> core ids
-    index.py      PrefixIndex: the facade (lock, counters by name, lookup results)
-    queries.py    inspection queries, read in short chunks (top prefixes, engine blocks)
-    state.py      export / import of the whole index for snapshots
-    results.py    query/result types (msgspec Structs)
+    engine_ids.py EngineIds: engine names <-> core ids (and each id's hash salt)
+    counts.py     counters by engine name, kept across drops (the core counts per id)
+    index.py      PrefixIndex: the facade (lock, engine ids, counters, caches, results)
+    queries.py    inspection queries over (core, engine ids, lock), read in short chunks
+                  (top prefixes, engine blocks), and the top-prefix answer cache
+    state.py      export / import of (core, engine ids, counters) for snapshots
+    results.py    query/result types (msgspec Structs; PodMatch, .pods, .pod: deprecated)
+    README.md     the data model, what is refused, lock discipline, the state format
+
+    Imports point one way (nothing imports index.py but this package):
+    index.py ─► queries.py / state.py ─► counts.py / engine_ids.py ─► _core
 
     payload ─► IngestDecoder ─► PrefixIndex.apply_batches ─► Core.apply_batches
                                      Core.lookup ◄─ PrefixIndex.lookup ◄─ prompt
@@ -28,6 +34,7 @@ from .results import (
     IndexCounters,
     LookupResult,
     EngineMatch,
+    PodMatch,
     PrefixInfo,
 )
 
@@ -42,6 +49,7 @@ __all__ = [
     "IngestDecoder",
     "LookupResult",
     "EngineMatch",
+    "PodMatch",
     "PrefixIndex",
     "PrefixInfo",
     "WireBatch",

@@ -6,27 +6,28 @@ Everything per event, per block and per looked-up token runs here, in C: consecu
 batches are applied in one call (:meth:`Core.apply_batches`: decoded batches, or
 :class:`WireBatch` bytes read in place by ``_wire.pxi`` without the GIL) and a prompt
 is matched in one call (:meth:`Core.lookup`). The Python facade (``index.py``) owns the
-lock, the pod names and the counters by name; it never loops over blocks.
+lock, the engine names and the counters by name; it never loops over blocks.
 
-Data model (see DESIGN.md: the index is keyed by content):
+Data model (the index is keyed by content; the whole model, lock discipline and
+state format are described in ``kvevents/index/README.md``):
 
 * a **slot** per distinct content block: its content key (a chained 64-bit hash of the
   namespace and every token up to and including the block), its parent's key, its
   depth (1 = first block of a sequence; 0 = not on a chain from a sequence start), its
   namespace and, for the blocks within a sequence's first ``HEAD_TOKENS`` tokens only,
   its tokens (what ``/v1/prefixes`` and ``/v1/blocks`` show; nothing else reads them);
-* per tier, a pod bitmask per slot (``W`` 64-bit words): bit set = the (pod, tier,
+* per tier, an engine bitmask per slot (``W`` 64-bit words): bit set = the (engine, tier,
   block) entry is resident. Its reference count is the bit (1) plus, only for counts
   above 1 (re-announced blocks), an entry in the side table;
-* per pod, an engine-hash -> slot table that translates removals and parents (pods
+* per engine, an engine-hash -> slot table that translates removals and parents (engines
   need not share a hash seed);
 * the content table: content key -> slot.
 
-A slot is freed when no pod holds it in any tier; children keep their parent's key,
+A slot is freed when no engine holds it in any tier; children keep their parent's key,
 not its slot number, so a reused slot is never mistaken for a live parent.
 
 Lifecycle: one ``Core`` per index, owned and locked by the facade (not thread-safe on
-its own: applying wire batches and clearing pods release the GIL and rely on the
+its own: applying wire batches and clearing engines release the GIL and rely on the
 facade's lock). Failure: an event that cannot be applied (hashes or tokens of the wrong
 type or range, a namespace or tier beyond the caps) is skipped whole, before any
 change, and counted by reason; the rest of its batch applies. Memory errors propagate.
@@ -71,7 +72,7 @@ DEF R_BAD_EVENT = 5
 # Media that name the same tier (SGLang's pinned host memory is the CPU tier).
 MEDIUM_ALIASES = {"CPU_PINNED": "CPU"}
 
-# Per-pod cumulative counters (C array, NC per pod): stored events and blocks per tier,
+# Per-engine cumulative counters (C array, NC per engine): stored events and blocks per tier,
 # removed events and blocks per tier, then cleared, unknown, orphans, ignored, refused.
 DEF C_ST_EV = 0
 DEF C_ST_BL = MAX_TIERS
@@ -84,8 +85,8 @@ DEF C_IGNORED = 4 * MAX_TIERS + 3
 DEF C_REFUSED = 4 * MAX_TIERS + 4
 DEF NC = 4 * MAX_TIERS + 4 + N_REASONS
 
-DEF F_SIGNED = 1      # the pod sent negative int hashes: report them signed
-DEF F_UNMAPPED = 2    # the pod may hold slots its hash table no longer points at
+DEF F_SIGNED = 1      # the engine sent negative int hashes: report them signed
+DEF F_UNMAPPED = 2    # the engine may hold slots its hash table no longer points at
 
 include "_wire.pxi"
 
@@ -101,7 +102,7 @@ _msgpack = msgspec.msgpack.Encoder()
 
 def digest64(*parts) -> int:
     """A stable 64-bit digest of msgpack-encodable values (never Python's salted
-    ``hash``): namespace roots and pod salts."""
+    ``hash``): namespace roots and engine salts."""
     return int.from_bytes(hashlib.blake2b(_msgpack.encode(parts), digest_size=8).digest(), "little")
 
 
@@ -179,13 +180,13 @@ cdef class Core:
     cdef public int W
     cdef Table content, side
     cdef Table tokt                   # slot -> arena offset, for head blocks only
-    # -- pods (``pod_cap`` entries each) --
+    # -- engines (``engine_cap`` entries each) --
     cdef Table* pmaps
     cdef uint64_t* psalt
     cdef uint8_t* pflags
-    cdef int64_t* counts              # [pod * MAX_TIERS + tier]: resident entries
-    cdef int64_t* tot                 # [pod * NC + C_*]: cumulative event counters
-    cdef int pod_cap
+    cdef int64_t* counts              # [engine * MAX_TIERS + tier]: resident entries
+    cdef int64_t* tot                 # [engine * NC + C_*]: cumulative event counters
+    cdef int engine_cap
     # -- kept head tokens (offsets in ``tokt``): arena[off] = length, then the tokens --
     cdef int64_t* arena
     cdef int64_t arena_len, arena_cap, arena_garbage
@@ -198,7 +199,7 @@ cdef class Core:
     cdef int64_t sh_cap
     cdef int64_t* stok
     cdef int64_t stok_cap
-    cdef int32_t* ends               # [(1 + MAX_TIERS) * pod_cap]
+    cdef int32_t* ends               # [(1 + MAX_TIERS) * engine_cap]
     cdef object conv_list            # lookup's token list, converted up to conv_n
     cdef Py_ssize_t conv_n
     # -- per-apply counters (read back by the facade after each apply) --
@@ -213,9 +214,9 @@ cdef class Core:
     cdef public list ns_info          # ns id -> (model, block_size, lora)
     cdef public dict tier_id          # medium name (None = GPU) -> tier id
     cdef public list tier_name
-    cdef public list pod_orig         # pod id -> {h64: original hash} (bytes, big ints)
-    cdef public list pod_ns           # pod id -> set of ns ids it uses
-    cdef public int max_namespaces, max_namespaces_per_pod, max_tiers, max_block_sizes
+    cdef public list engine_orig      # engine id -> {h64: original hash} (bytes, big ints)
+    cdef public list engine_ns        # engine id -> set of ns ids it uses
+    cdef public int max_namespaces, max_namespaces_per_engine, max_tiers, max_block_sizes
     cdef public dict block_sizes      # (model, lora) -> block sizes in use (lookups try each)
     cdef public object last_refusal   # (reason, detail) of the latest refusal, for logs
     # The wire path's per-call caches (apply_batches resets them): medium bytes -> tier
@@ -230,19 +231,19 @@ cdef class Core:
         self.cap = 0
         self.n_slots = 0
         self.W = 1
-        self.pod_cap = 0
+        self.engine_cap = 0
         self.ns_cap = 0
         for t in range(MAX_TIERS):
             self.masks[t] = NULL
 
     def __init__(self, bint keep_tokens=True, int max_namespaces=4096,
-                 int max_namespaces_per_pod=256, int max_tiers=MAX_TIERS,
+                 int max_namespaces_per_engine=256, int max_tiers=MAX_TIERS,
                  int max_block_sizes=8):
         if not 1 <= max_namespaces <= 65535:
             raise ValueError("max_namespaces must be in [1, 65535]")
         self.keep_tokens = keep_tokens
         self.max_namespaces = max_namespaces
-        self.max_namespaces_per_pod = max_namespaces_per_pod
+        self.max_namespaces_per_engine = max_namespaces_per_engine
         self.max_tiers = min(max(max_tiers, 1), MAX_TIERS)
         self.max_block_sizes = max(max_block_sizes, 1)
         self.block_sizes = {}
@@ -250,14 +251,14 @@ cdef class Core:
         self.ns_info = []
         self.tier_id = {}
         self.tier_name = []
-        self.pod_orig = []
-        self.pod_ns = []
+        self.engine_orig = []
+        self.engine_ns = []
         self.last_refusal = None
         table_init(&self.content, 1024)
         table_init(&self.side, 64)
         table_init(&self.tokt, 64)
         self._grow_slots(1024)
-        self._grow_pods(64)
+        self._grow_engines(64)
         self.free_cap = 0
         self.n_free = 0
         self.free_slots = NULL
@@ -279,7 +280,7 @@ cdef class Core:
         table_free(&self.side)
         table_free(&self.tokt)
         if self.pmaps != NULL:
-            for p in range(self.pod_cap):
+            for p in range(self.engine_cap):
                 table_free(&self.pmaps[p])
             free(self.pmaps)
         free(self.psalt); free(self.pflags); free(self.counts); free(self.tot); free(self.arena)
@@ -301,7 +302,7 @@ cdef class Core:
         return 0
 
     cdef int _grow_words(self, int words) except -1:
-        """Widen every tier's masks to ``words`` words per slot (more pods)."""
+        """Widen every tier's masks to ``words`` words per slot (more engines)."""
         cdef int t
         cdef int64_t s
         cdef uint64_t* m
@@ -316,26 +317,26 @@ cdef class Core:
         self.W = words
         return 0
 
-    cdef int _grow_pods(self, int need) except -1:
-        cdef int cap = max(need, self.pod_cap * 2, 64)
+    cdef int _grow_engines(self, int need) except -1:
+        cdef int cap = max(need, self.engine_cap * 2, 64)
         cdef int p
         self.pmaps = <Table*>_realloc(self.pmaps, cap * sizeof(Table))
-        for p in range(self.pod_cap, cap):
+        for p in range(self.engine_cap, cap):
             self.pmaps[p].b = NULL
             self.pmaps[p].n = 0
             self.pmaps[p].cap = 0
         self.psalt = <uint64_t*>_realloc(self.psalt, cap * sizeof(uint64_t))
         self.pflags = <uint8_t*>_realloc(self.pflags, cap * sizeof(uint8_t))
-        memset(self.pflags + self.pod_cap, 0, (cap - self.pod_cap) * sizeof(uint8_t))
+        memset(self.pflags + self.engine_cap, 0, (cap - self.engine_cap) * sizeof(uint8_t))
         self.tot = <int64_t*>_realloc(self.tot, cap * NC * sizeof(int64_t))
-        memset(self.tot + self.pod_cap * NC, 0, (cap - self.pod_cap) * NC * sizeof(int64_t))
+        memset(self.tot + self.engine_cap * NC, 0, (cap - self.engine_cap) * NC * sizeof(int64_t))
         self.counts = <int64_t*>_realloc(self.counts, cap * MAX_TIERS * sizeof(int64_t))
-        memset(self.counts + self.pod_cap * MAX_TIERS, 0, (cap - self.pod_cap) * MAX_TIERS * sizeof(int64_t))
+        memset(self.counts + self.engine_cap * MAX_TIERS, 0, (cap - self.engine_cap) * MAX_TIERS * sizeof(int64_t))
         free(self.ends)
         self.ends = <int32_t*>calloc((1 + MAX_TIERS) * cap, sizeof(int32_t))
         if self.ends == NULL:
             raise MemoryError()
-        self.pod_cap = cap
+        self.engine_cap = cap
         return 0
 
     cdef int32_t _alloc_slot(self, uint64_t key, uint64_t parent, uint32_t depth, uint16_t ns) except -2 nogil:
@@ -418,20 +419,20 @@ cdef class Core:
 
     # ------------------------------------------------------------------ registries
 
-    def ensure_pod(self, int pid, salt):
-        """Make room for pod id ``pid`` (with its hash salt); ids are reused after
-        :meth:`clear_pod`."""
+    def ensure_engine(self, int pid, salt):
+        """Make room for engine id ``pid`` (with its hash salt); ids are reused after
+        :meth:`clear_engine`."""
         if pid < 0 or pid > 65535:
-            raise ValueError("pod id out of range")
-        if pid >= self.pod_cap:
-            self._grow_pods(pid + 1)
+            raise ValueError("engine id out of range")
+        if pid >= self.engine_cap:
+            self._grow_engines(pid + 1)
         if pid >= 64 * self.W:
             self._grow_words(pid // 64 + 1)
-        while len(self.pod_orig) <= pid:
-            self.pod_orig.append(None)
-            self.pod_ns.append(None)
-        self.pod_orig[pid] = {}
-        self.pod_ns[pid] = set()
+        while len(self.engine_orig) <= pid:
+            self.engine_orig.append(None)
+            self.engine_ns.append(None)
+        self.engine_orig[pid] = {}
+        self.engine_ns[pid] = set()
         self.psalt[pid] = <uint64_t>salt
         self.pflags[pid] = 0
         memset(self.tot + pid * NC, 0, NC * sizeof(int64_t))
@@ -457,15 +458,15 @@ cdef class Core:
         return <int>t
 
     cdef int _namespace(self, int pid, object model, int64_t bs, object lora) except -2:
-        """Namespace id of (model, block size, LoRA) for pod ``pid``; -1 beyond a cap."""
+        """Namespace id of (model, block size, LoRA) for engine ``pid``; -1 beyond a cap."""
         key = (model, bs, lora)
         cdef object nid = self.ns_id.get(key)
-        cdef set used = <set>self.pod_ns[pid]
+        cdef set used = <set>self.engine_ns[pid]
         if nid is not None and nid in used:
             return <int>nid
-        if len(used) >= self.max_namespaces_per_pod:
+        if len(used) >= self.max_namespaces_per_engine:
             self.last_refusal = ("namespace_limit",
-                                 f"pod uses {len(used)} namespaces (max_namespaces_per_pod)")
+                                 f"engine uses {len(used)} namespaces (max_namespaces_per_engine)")
             return -1
         if nid is None:
             if len(self.ns_info) >= self.max_namespaces:
@@ -542,7 +543,7 @@ cdef class Core:
     cdef int _keep_originals(self, list hashes, int pid) except -1:
         """Remember the hashes whose 64-bit reduction is not the identity, so queries
         hand back what the engine sent."""
-        cdef dict orig = <dict>self.pod_orig[pid]
+        cdef dict orig = <dict>self.engine_orig[pid]
         cdef Py_ssize_t i
         cdef uint64_t u
         for i in range(len(hashes)):
@@ -582,7 +583,7 @@ cdef class Core:
             self.counts[pid * MAX_TIERS + tier] += 1
         return 0
 
-    cdef inline bint _pod_holds(self, int32_t s, int pid) noexcept nogil:
+    cdef inline bint _engine_holds(self, int32_t s, int pid) noexcept nogil:
         cdef int t
         cdef int64_t off = <int64_t>s * self.W + (pid >> 6)
         cdef uint64_t bit = (<uint64_t>1) << (pid & 63)
@@ -601,7 +602,7 @@ cdef class Core:
         return False
 
     cdef int _remove_ref(self, int32_t s, int pid, int tier) except -2 nogil:
-        """Drop one reference: -1 not held (unknown removal), 1 the pod still holds
+        """Drop one reference: -1 not held (unknown removal), 1 the engine still holds
         the slot in some tier, 0 it no longer does (the slot is freed when nobody does)."""
         cdef uint64_t* m = self.masks[tier] + <int64_t>s * self.W + (pid >> 6)
         cdef uint64_t bit = (<uint64_t>1) << (pid & 63)
@@ -620,7 +621,7 @@ cdef class Core:
                 return 1
         m[0] &= ~bit
         self.counts[pid * MAX_TIERS + tier] -= 1
-        if self._pod_holds(s, pid):
+        if self._engine_holds(s, pid):
             return 1
         if not self._anyone_holds(s):
             self._free_slot(s)
@@ -629,10 +630,10 @@ cdef class Core:
     # ------------------------------------------------------------------ ingest
 
     def apply_batches(self, int pid, list batches, model):
-        """Apply consecutive batches of pod ``pid`` (objects with an ``events`` list, or
+        """Apply consecutive batches of engine ``pid`` (objects with an ``events`` list, or
         :class:`WireBatch`, read in place), each event in order, in one call. Returns their summed
-        :class:`~kvevents.index.ApplyStats` and adds them to the pod's cumulative
-        counters (read with :meth:`pod_counters`), even when an error escapes (after
+        :class:`~kvevents.index.ApplyStats` and adds them to the engine's cumulative
+        counters (read with :meth:`engine_counters`), even when an error escapes (after
         the batches before it, and part of its own, were applied)."""
         self._reset_batch_counters()
         self.wmed_n = 0
@@ -672,7 +673,7 @@ cdef class Core:
                     continue
                 self._removed(pid, ev)
             elif tp is AllBlocksCleared:
-                self.clear_pod(pid)
+                self.clear_engine(pid)
                 self.c_cleared += 1
             else:
                 self._refuse(R_BAD_EVENT, f"not an event: {tp.__name__}")
@@ -702,8 +703,8 @@ cdef class Core:
         self.c_refused[reason] += 1
         self.last_refusal = (REASONS[reason], detail)
 
-    def pod_counters(self, int pid):
-        """Pod ``pid``'s cumulative counters since :meth:`ensure_pod` / the last
+    def engine_counters(self, int pid):
+        """Engine ``pid``'s cumulative counters since :meth:`ensure_engine` / the last
         :meth:`reset_counters`: ({(tier, kind): (events, blocks)}, cleared, unknown
         removals, orphan blocks, ignored events, {reason: events})."""
         cdef int64_t* c = self.tot + pid * NC
@@ -861,7 +862,7 @@ cdef class Core:
             self._add_ref(s, pid, tier)
             old = table_put(pm, self.sh[i], s)
             if old >= 0 and old != s:
-                # The hash now names another block; the pod may still hold the old one.
+                # The hash now names another block; the engine may still hold the old one.
                 self.pflags[pid] |= F_UNMAPPED
             prev = k
             if d and d < <uint32_t>0xFFFFFFFE:
@@ -872,8 +873,8 @@ cdef class Core:
 
     cdef int _stored_tokenless(self, int pid, object model, object lora, int tier,
                                int64_t n) except -1:
-        """A token-less event (legacy CPU offload): translate through the pod's table;
-        an unseen hash gets a pod-salted key that no lookup reaches."""
+        """A token-less event (legacy CPU offload): translate through the engine's table;
+        an unseen hash gets an engine-salted key that no lookup reaches."""
         cdef int ns = -1
         cdef int64_t i
         cdef int32_t s
@@ -904,13 +905,13 @@ cdef class Core:
         cdef int tier, keep
         cdef int64_t n = self._event_hashes(pid, ev, &tier, &keep)
         if n:
-            self._unref(pid, tier, n, len(<dict>self.pod_orig[pid]) > 0)
+            self._unref(pid, tier, n, len(<dict>self.engine_orig[pid]) > 0)
         return 0
 
     cdef int _unref(self, int pid, int tier, int64_t n, bint orig) except -1 nogil:
-        """Remove one reference of pod ``pid`` in ``tier`` from each of the ``n`` blocks
+        """Remove one reference of engine ``pid`` in ``tier`` from each of the ``n`` blocks
         whose engine hashes are in ``self.sh`` (both event readers end here). ``orig``:
-        the pod has original hashes kept (bytes, big ints) to forget with the blocks."""
+        the engine has original hashes kept (bytes, big ints) to forget with the blocks."""
         cdef Table* pm = &self.pmaps[pid]
         cdef int64_t i
         cdef int32_t s
@@ -929,7 +930,7 @@ cdef class Core:
                 table_del(pm, self.sh[i])
                 if orig:
                     with gil:
-                        (<dict>self.pod_orig[pid]).pop(self.sh[i], None)
+                        (<dict>self.engine_orig[pid]).pop(self.sh[i], None)
         self.c_rm_ev[tier] += 1
         self.c_rm_bl[tier] += n
         return 0
@@ -940,7 +941,7 @@ cdef class Core:
         :meth:`_chain` / :meth:`_unref` (``scan`` accepted the bytes, so every event is
         of the common shape: only tier and namespace caps can refuse one). Runs without
         the GIL (the facade's lock guards the core), taking it only to create a tier
-        or namespace, to count a refusal, or to empty the pod's kept original hashes
+        or namespace, to count a refusal, or to empty the engine's kept original hashes
         when it is cleared."""
         cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(payload)
         cdef Py_ssize_t end = PyBytes_GET_SIZE(payload)
@@ -950,7 +951,7 @@ cdef class Core:
         cdef Py_ssize_t q, pos
         cdef int tier, ns
         cdef bint neg = False, bad = False
-        cdef bint orig = len(<dict>self.pod_orig[pid]) > 0
+        cdef bint orig = len(<dict>self.engine_orig[pid]) > 0
         with nogil:
             pos = _w_batch(p, end, &ts, &n_items, &n_events)
             for i in range(n_events):
@@ -963,10 +964,10 @@ cdef class Core:
                     self.c_ignored += 1
                     continue
                 if ev.kind == EV_CLEARED:
-                    self._clear_pod(pid)
+                    self._clear_engine(pid)
                     if orig:
                         with gil:
-                            (<dict>self.pod_orig[pid]).clear()
+                            (<dict>self.engine_orig[pid]).clear()
                         orig = False
                     self.c_cleared += 1
                     continue
@@ -1033,19 +1034,19 @@ cdef class Core:
             self.wmed_n += 1
         return t
 
-    cpdef int clear_pod(self, int pid) except -1:
-        """Forget everything pod ``pid`` holds, in every tier (its table too). Costs
-        the pod's own entries, unless it once re-pointed a hash at another block (then
+    cpdef int clear_engine(self, int pid) except -1:
+        """Forget everything engine ``pid`` holds, in every tier (its table too). Costs
+        the engine's own entries, unless it once re-pointed a hash at another block (then
         one pass over all slots finds what its table no longer names). The work runs
-        without the GIL (a 20k-block pod took ~2.5 ms holding it, a stall for every
-        HTTP request meanwhile); only the pod's kept original hashes are a dict."""
+        without the GIL (a 20k-block engine took ~2.5 ms holding it, a stall for every
+        HTTP request meanwhile); only the engine's kept original hashes are a dict."""
         with nogil:
-            self._clear_pod(pid)
-        (<dict>self.pod_orig[pid]).clear()
+            self._clear_engine(pid)
+        (<dict>self.engine_orig[pid]).clear()
         return 0
 
-    cdef int _clear_pod(self, int pid) except -1 nogil:
-        """:meth:`clear_pod` without the ``pod_orig`` dict (the caller clears it)."""
+    cdef int _clear_engine(self, int pid) except -1 nogil:
+        """:meth:`clear_engine` without the ``engine_orig`` dict (the caller clears it)."""
         cdef Table* pm = &self.pmaps[pid]
         cdef int64_t i, nt = self.nt
         cdef uint64_t bit = (<uint64_t>1) << (pid & 63)
@@ -1056,10 +1057,10 @@ cdef class Core:
             for s in range(<int32_t>self.n_slots):
                 self._clear_slot(s, pid, w, bit, nt)
         elif pm.b != NULL:
-            # The pod's slots are scattered: while one is cleared, fetch the mask word
+            # The engine's slots are scattered: while one is cleared, fetch the mask word
             # and key of the slot 2 * LOOKAHEAD buckets ahead, and the content-table
             # bucket (whose key is then in cache) of the one LOOKAHEAD ahead. The
-            # pod's own table is read in order.
+            # engine's own table is read in order.
             for i in range(<int64_t>pm.cap):
                 if i + 2 * LOOKAHEAD < <int64_t>pm.cap and pm.b[i + 2 * LOOKAHEAD].val >= 0:
                     s = pm.b[i + 2 * LOOKAHEAD].val
@@ -1069,7 +1070,7 @@ cdef class Core:
                     kv_prefetch(&self.content.b[table_home(&self.content, self.key[pm.b[i + LOOKAHEAD].val])])
                 if pm.b[i].val >= 0:
                     self._clear_slot(pm.b[i].val, pid, w, bit, nt)
-        # Side references of this pod (only the re-announced entries live there).
+        # Side references of this engine (only the re-announced entries live there).
         cdef uint64_t sk
         if self.side.n:
             i = 0
@@ -1147,17 +1148,17 @@ cdef class Core:
         return self.stok
 
     def lookup(self, tokens, list spaces, list names, const int32_t[::1] rank, match_cls):
-        """Per pod, leading matched tokens over the namespaces ``spaces`` (a list of
-        (ns id, block size), in preference order: a pod's best namespace wins, the
+        """Per engine, leading matched tokens over the namespaces ``spaces`` (a list of
+        (ns id, block size), in preference order: an engine's best namespace wins, the
         first on ties). Returns ``match_cls(name, tokens, {tier: tokens}, block size)``
-        per matching pod, sorted by tokens descending then ``rank`` (the pod's
+        per matching engine, sorted by tokens descending then ``rank`` (the engine's
         position in name order). The token buffer must stay alive for the call."""
         cdef Py_ssize_t n_tok
         cdef const int64_t* tp = self._token_ptr(tokens, &n_tok)
         if n_tok >= (1 << 31):
             raise ValueError("more than 2^31 tokens")
         cdef int nt = len(self.tier_name)
-        cdef int pc = self.pod_cap
+        cdef int pc = self.engine_cap
         cdef int64_t* best = <int64_t*>calloc(pc, sizeof(int64_t))     # tokens
         cdef int32_t* best_sp = <int32_t*>malloc(pc * sizeof(int32_t))  # index in spaces
         cdef int32_t* tier_tok = <int32_t*>malloc(pc * MAX_TIERS * sizeof(int32_t))
@@ -1188,7 +1189,7 @@ cdef class Core:
                             tier_tok[pid * MAX_TIERS + t] = self.ends[(1 + t) * pc + pid]
                     for t in range(1 + nt):
                         self.ends[t * pc + pid] = 0
-            # Sort keys: tokens descending, then name rank, then the pod id itself (to
+            # Sort keys: tokens descending, then name rank, then the engine id itself (to
             # read it back): 31 + 16 + 16 bits.
             for i in range(n_best):
                 pid = <int>order[i]
@@ -1224,9 +1225,9 @@ cdef class Core:
 
     cdef int _match_ns(self, const int64_t* tp, Py_ssize_t n_tok, int ns, int64_t bs,
                        int32_t* found) except -1:
-        """Match one namespace: leaves, per matching pod, its any-tier run in
-        ``ends[pid]`` and tier t's run in ``ends[(1 + t) * pod_cap + pid]`` (blocks), and
-        the pods in ``found``; returns their number. The caller zeroes those ends.
+        """Match one namespace: leaves, per matching engine, its any-tier run in
+        ``ends[pid]`` and tier t's run in ``ends[(1 + t) * engine_cap + pid]`` (blocks), and
+        the engines in ``found``; returns their number. The caller zeroes those ends.
 
         Keys are computed LOOKAHEAD blocks ahead of the probes and each probe's bucket
         is prefetched, so the table's cache misses overlap instead of queueing."""
@@ -1248,7 +1249,7 @@ cdef class Core:
         cdef int32_t s
         cdef int64_t off
         cdef int32_t* ends = self.ends
-        cdef int pc = self.pod_cap
+        cdef int pc = self.engine_cap
         cdef bint alive
         for c in range(1 + nt):
             runp = heap + c * W if heap != NULL else &run[c][0]
@@ -1291,7 +1292,7 @@ cdef class Core:
             matched = i + 1
             if not alive:
                 break
-        # Pods still running at the end matched every examined block.
+        # Engines still running at the end matched every examined block.
         if matched:
             for c in range(1 + nt):
                 runp = heap + c * W if heap != NULL else &run[c][0]
@@ -1305,14 +1306,14 @@ cdef class Core:
 
     # ------------------------------------------------------------------ inspection
 
-    def pod_counts(self, int pid):
-        """Resident entries of pod ``pid`` per tier id."""
+    def engine_counts(self, int pid):
+        """Resident entries of engine ``pid`` per tier id."""
         return [self.counts[pid * MAX_TIERS + t] for t in range(len(self.tier_name))]
 
     def total_entries(self):
         cdef int64_t tot = 0
         cdef int64_t i
-        for i in range(self.pod_cap * MAX_TIERS):
+        for i in range(self.engine_cap * MAX_TIERS):
             tot += self.counts[i]
         return tot
 
@@ -1320,13 +1321,13 @@ cdef class Core:
         return self.n_slots - self.n_free
 
     def slot_of_hash(self, int pid, h):
-        """Slot of engine hash ``h`` (already reduced to 64 bits) for pod ``pid``."""
-        if pid >= self.pod_cap:
+        """Slot of engine hash ``h`` (already reduced to 64 bits) for engine ``pid``."""
+        if pid >= self.engine_cap:
             return -1
         return table_get(&self.pmaps[pid], <uint64_t>h)
 
     def refcount(self, int32_t s, int pid, int tier):
-        """References of (pod, tier) to slot ``s``: 0 when not held."""
+        """References of (engine, tier) to slot ``s``: 0 when not held."""
         cdef uint64_t bit = (<uint64_t>1) << (pid & 63)
         if not (self.masks[tier][<int64_t>s * self.W + (pid >> 6)] & bit):
             return 0
@@ -1347,11 +1348,11 @@ cdef class Core:
     def slot_of_key(self, uint64_t key):
         return table_get(&self.content, key)
 
-    def pod_entries(self, int pid, int64_t start, int64_t limit):
-        """A chunk of pod ``pid``'s table from bucket ``start``: (next start or -1,
-        [(hash64, slot, tier bitmask of the pod's residency)])."""
+    def engine_entries(self, int pid, int64_t start, int64_t limit):
+        """A chunk of engine ``pid``'s table from bucket ``start``: (next start or -1,
+        [(hash64, slot, tier bitmask of the engine's residency)])."""
         out = []
-        if pid >= self.pod_cap or self.pmaps[pid].b == NULL:
+        if pid >= self.engine_cap or self.pmaps[pid].b == NULL:
             return -1, out
         cdef Table* pm = &self.pmaps[pid]
         cdef int64_t i = start, end = min(start + limit, <int64_t>pm.cap)
@@ -1370,7 +1371,7 @@ cdef class Core:
             i += 1
         return (i if i < <int64_t>pm.cap else -1), out
 
-    def pod_signed(self, int pid):
+    def engine_signed(self, int pid):
         return bool(self.pflags[pid] & F_SIGNED)
 
     def scan_prefixes(self, int64_t start, int64_t limit, ns_filter, uint8_t[::1] dominated,
@@ -1378,13 +1379,13 @@ cdef class Core:
         """One chunk of the top-prefix scan over slots [start, start + limit).
 
         ``mark``: first pass, set ``dominated[parent slot]`` where a child is held by
-        as many pods as its parent (the parent is then never the longest extent of its
+        as many engines as its parent (the parent is then never the longest extent of its
         holder set). Otherwise: return [(score, slot, key)] of live, on-chain,
-        undominated slots (score = pods << 32 | depth), for the caller's top-k.
+        undominated slots (score = engines << 32 | depth), for the caller's top-k.
         ``ns_filter``: None or a bytes mask over namespace ids."""
         cdef int64_t s, end = min(start + limit, self.n_slots)
         cdef int t, w, nt = len(self.tier_name), W = self.W
-        cdef int64_t npods, pn
+        cdef int64_t nengines, pn
         cdef int32_t p
         cdef uint64_t m
         cdef const unsigned char* nsf = NULL
@@ -1398,31 +1399,31 @@ cdef class Core:
                 continue
             if nsf != NULL and (self.nsid[s] >= nsf_len or not nsf[self.nsid[s]]):
                 continue
-            npods = self._npods(<int32_t>s, nt, W)
-            if npods == 0:
+            nengines = self._nengines(<int32_t>s, nt, W)
+            if nengines == 0:
                 continue
             if mark:
                 if self.depth[s] > 1:
                     p = table_get(&self.content, self.parent[s])
-                    if p >= 0 and p < dominated.shape[0] and self._npods(p, nt, W) == npods:
+                    if p >= 0 and p < dominated.shape[0] and self._nengines(p, nt, W) == nengines:
                         dominated[p] = 1
             elif s >= dominated.shape[0] or not dominated[s]:
-                out.append(((npods << 32) | self.depth[s], s, self.key[s]))
+                out.append(((nengines << 32) | self.depth[s], s, self.key[s]))
         return out
 
-    cdef int64_t _npods(self, int32_t s, int nt, int W):
-        cdef int64_t npods = 0
+    cdef int64_t _nengines(self, int32_t s, int nt, int W):
+        cdef int64_t nengines = 0
         cdef int w, t
         cdef uint64_t m
         for w in range(W):
             m = 0
             for t in range(nt):
                 m |= self.masks[t][<int64_t>s * W + w]
-            npods += _popcount(m)
-        return npods
+            nengines += _popcount(m)
+        return nengines
 
     def holders(self, int32_t s):
-        """Pod ids holding slot ``s`` in any tier."""
+        """Engine ids holding slot ``s`` in any tier."""
         cdef int t, w, b, nt = len(self.tier_name)
         cdef uint64_t m
         out = []
@@ -1446,9 +1447,9 @@ cdef class Core:
         tot += len(self.tier_name) * self.cap * self.W * 8
         tot += table_nbytes(&self.content) + table_nbytes(&self.side) + table_nbytes(&self.tokt)
         tot += self.free_cap * 4 + self.arena_cap * 8 + self.sh_cap * 8 + self.stok_cap * 8
-        tot += self.pod_cap * (sizeof(Table) + 8 + 1 + MAX_TIERS * 8 + (1 + MAX_TIERS) * 4)
+        tot += self.engine_cap * (sizeof(Table) + 8 + 1 + MAX_TIERS * 8 + (1 + MAX_TIERS) * 4)
         cdef int p
-        for p in range(self.pod_cap):
+        for p in range(self.engine_cap):
             tot += table_nbytes(&self.pmaps[p])
         return tot
 
@@ -1459,7 +1460,7 @@ cdef class Core:
         cdef int p
         cdef int64_t n = self.n_slots
         pmaps = []
-        for p in range(self.pod_cap):
+        for p in range(self.engine_cap):
             if self.pmaps[p].b != NULL and self.pmaps[p].n:
                 pmaps.append((p, (<char*>self.pmaps[p].b)[:self.pmaps[p].cap * sizeof(Bucket)]))
         free_list = (<char*>self.free_slots)[:self.n_free * 4] if self.n_free else b""
@@ -1473,13 +1474,14 @@ cdef class Core:
             "arena": (<char*>self.arena)[:self.arena_len * 8] if self.arena_len else b"",
             "side": (<char*>self.side.b)[:self.side.cap * sizeof(Bucket)],
             "pmaps": pmaps,
-            "psalt": [self.psalt[p] for p in range(self.pod_cap)],
-            "pflags": bytes([self.pflags[p] for p in range(self.pod_cap)]),
-            "counts": (<char*>self.counts)[:self.pod_cap * MAX_TIERS * 8],
+            "psalt": [self.psalt[p] for p in range(self.engine_cap)],
+            "pflags": bytes([self.pflags[p] for p in range(self.engine_cap)]),
+            "counts": (<char*>self.counts)[:self.engine_cap * MAX_TIERS * 8],
             "ns_info": [list(x) for x in self.ns_info],
             "tier_name": list(self.tier_name),
-            "pod_orig": [None if d is None else list(d.items()) for d in self.pod_orig],
-            "pod_ns": [None if s is None else sorted(s) for s in self.pod_ns],
+            # "pod_orig" / "pod_ns": the keys predate the engine naming; snapshots keep them.
+            "pod_orig": [None if d is None else list(d.items()) for d in self.engine_orig],
+            "pod_ns": [None if s is None else sorted(s) for s in self.engine_ns],
         }
 
     def import_state(self, dict st):
@@ -1498,16 +1500,16 @@ cdef class Core:
                 or len(st["counts"]) != len(st["psalt"]) * MAX_TIERS * 8
                 or len(st["pflags"]) != len(st["psalt"])):
             raise ValueError("index state: inconsistent sizes")
-        npods = len(st["psalt"])
-        if npods > 65536 or len(st["pod_orig"]) > npods or len(st["pod_ns"]) > npods:
-            raise ValueError("index state: inconsistent pods")
+        nengines = len(st["psalt"])
+        if nengines > 65536 or len(st["pod_orig"]) > nengines or len(st["pod_ns"]) > nengines:
+            raise ValueError("index state: inconsistent engines")
         for name in tiers[len(self.tier_name):]:
             if self.tier(name) < 0:
                 raise ValueError("index state: too many tiers")
         if list(self.tier_name) != list(tiers):
             raise ValueError("index state: tier order differs")
-        if npods > self.pod_cap:
-            self._grow_pods(npods)
+        if nengines > self.engine_cap:
+            self._grow_engines(nengines)
         if W > self.W:
             self._grow_words(W)
         if n > self.cap:
@@ -1533,13 +1535,13 @@ cdef class Core:
         _load_table(&self.side, st["side"])
         _load_table(&self.tokt, st["tokt"])
         for p, raw in st["pmaps"]:
-            if not 0 <= p < npods or p >= 64 * self.W:
-                raise ValueError("index state: pod table of an unknown pod")
+            if not 0 <= p < nengines or p >= 64 * self.W:
+                raise ValueError("index state: engine table of an unknown engine")
             _load_table(&self.pmaps[p], raw)
-        for p in range(npods):
+        for p in range(nengines):
             self.psalt[p] = <uint64_t>st["psalt"][p]
             self.pflags[p] = st["pflags"][p]
-        memcpy(self.counts, <char*>st["counts"], npods * MAX_TIERS * 8)
+        memcpy(self.counts, <char*>st["counts"], nengines * MAX_TIERS * 8)
         self.ns_info = [tuple(x) for x in st["ns_info"]]
         self.ns_id = {x: i for i, x in enumerate(self.ns_info)}
         self.block_sizes = {}
@@ -1550,11 +1552,11 @@ cdef class Core:
         self.ns_root = <uint64_t*>_realloc(self.ns_root, self.ns_cap * 8)
         for i, (model, bs, lora) in enumerate(self.ns_info):
             self.ns_root[i] = <uint64_t>digest64("kvevents-root", model, bs, lora)
-        self.pod_orig = [None if d is None else dict(d) for d in st["pod_orig"]]
-        self.pod_ns = [None if u is None else set(u) for u in st["pod_ns"]]
-        while len(self.pod_orig) < npods:
-            self.pod_orig.append(None)
-            self.pod_ns.append(None)
+        self.engine_orig = [None if d is None else dict(d) for d in st["pod_orig"]]
+        self.engine_ns = [None if u is None else set(u) for u in st["pod_ns"]]
+        while len(self.engine_orig) < nengines:
+            self.engine_orig.append(None)
+            self.engine_ns.append(None)
         # The content table is derived: rebuild it from the live slots, checking them.
         table_free(&self.content)
         table_init(&self.content, max(1024, 2 * n))
@@ -1588,11 +1590,11 @@ cdef class Core:
                 if (self.tokt.b[i].key >= <uint64_t>n or off >= self.arena_len
                         or self.arena[off] < 0 or off + 1 + self.arena[off] > self.arena_len):
                     raise ValueError("index state: kept tokens out of range")
-        for p in range(self.pod_cap):
+        for p in range(self.engine_cap):
             if self.pmaps[p].b != NULL:
                 for i in range(self.pmaps[p].cap):
                     if self.pmaps[p].b[i].val >= n:
-                        raise ValueError("index state: pod table points past the slots")
+                        raise ValueError("index state: engine table points past the slots")
         return 0
 
 

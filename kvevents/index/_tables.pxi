@@ -2,8 +2,8 @@
 #
 # One open-addressing table type serves three maps:
 #   content  : content key          -> slot
-#   pod maps : engine hash (64 bit) -> slot, one table per pod
-#   side refs: (slot, pod, tier)    -> extra references beyond the first
+#   engine maps: engine hash (64 bit) -> slot, one table per engine
+#   side refs: (slot, engine, tier)    -> extra references beyond the first
 # Buckets are packed 12-byte (key, value) pairs; value -1 marks an empty bucket, so
 # every 64-bit key (0 included) is storable. Linear probing on a mixed key, and
 # backward-shift deletion, so there are no tombstones to clean up and a table never

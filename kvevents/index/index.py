@@ -9,7 +9,10 @@ per-block and per-token work::
     queries.py              ─► inspection (top prefixes, an engine's blocks) in short chunks
     state.py                ─► snapshot / restore of the whole index
 
-The facade owns what is per engine *name* (ids, counters kept across drops) and the lock.
+The facade owns what is per engine *name* (ids: ``engine_ids.py``; counters kept across
+drops: ``counts.py``), the top-prefix cache and the lock. ``queries.py`` and ``state.py``
+are handed the core, the engine ids and the lock (or are called under it) and return
+values the facade stores; they never import this module.
 
 Namespaces: (model, block size, LoRA name) roots keep blocks apart; ``model`` is the
 one ``apply_batch`` was given for the engine (events do not carry it). Their number is
@@ -33,13 +36,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..wire.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from . import queries, state
 from ._core import Core, WireBatch
-from .registry import EngineRegistry
+from .counts import Counts, all_counts, fold
+from .engine_ids import EngineIds
 from .results import (
     ApplyStats,
     add_stats,
@@ -60,23 +63,6 @@ _REFUSAL_LOG_INTERVAL_S = 60.0
 # batch counts as _DECODED_BATCH_BYTES.
 _HOLD_BYTES = 16 << 10
 _DECODED_BATCH_BYTES = 2048
-
-
-@dataclass
-class _Counts:
-    """Counters by engine name: applied[(engine, tier, kind)] = [events, blocks], and per engine
-    unknown removals, orphan blocks, ignored events, refused events by reason."""
-
-    applied: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
-    unknown: dict[str, int] = field(default_factory=dict)
-    orphans: dict[str, int] = field(default_factory=dict)
-    ignored: dict[str, int] = field(default_factory=dict)
-    refused: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    def copy(self) -> _Counts:
-        return _Counts({k: list(v) for k, v in self.applied.items()}, dict(self.unknown),
-                       dict(self.orphans), dict(self.ignored),
-                       {p: dict(r) for p, r in self.refused.items()})
 
 
 class IndexBusy(RuntimeError):
@@ -131,16 +117,16 @@ class PrefixIndex:
 
     def _reset(self) -> None:
         self._core = Core(*self._limits)
-        self._engines = EngineRegistry()
+        self._engines = EngineIds()
         # Counters of engines' past lives by name (monotonic, kept across drops); the live
-        # engines' own are in the core, per id, and added in by _all_counts.
-        self._counts = _Counts()
+        # engines' own are in the core, per id, and added in by counts.all_counts.
+        self._counts = Counts()
         self._refusal_logged: dict[tuple[str, str], float] = {}
         # Lookup's namespace lists, extended as the core creates namespaces.
         self._ns_seen = 0
         self._by_model: dict[tuple[str | None, str | None], list[tuple[int, int]]] = {}
         self._by_lora: dict[str | None, list[tuple[int, int]]] = {}
-        self._prefix_cache: dict[tuple[Any, int], tuple[float, list[PrefixInfo]]] = {}
+        self._prefix_cache = queries.PrefixCache()
 
     # ------------------------------------------------------------------ ingest
 
@@ -179,38 +165,13 @@ class PrefixIndex:
                 pid = self._engines.get(engine)
                 if pid is None:
                     pid, salt = self._engines.add(engine)
-                    self._core.ensure_pod(pid, salt)
+                    self._core.ensure_engine(pid, salt)
                 stats = self._core.apply_batches(pid, part, model)
                 if stats.refused_events:
                     self._log_refusal(engine)
             total = stats if total is None else add_stats(total, stats)
             start = stop
         return total if total is not None else ApplyStats()
-
-    def _fold(self, engine: str, pid: int, into: _Counts) -> None:
-        """Add engine ``pid``'s cumulative core counters to ``into`` (by engine name)."""
-        applied, cleared, unknown, orphans, ignored, refused = self._core.pod_counters(pid)
-        for (tier, kind), (n_ev, n_bl) in applied.items():
-            c = into.applied.setdefault((engine, tier, kind), [0, 0])
-            c[0] += n_ev
-            c[1] += n_bl
-        if cleared:
-            into.applied.setdefault((engine, "*", "AllBlocksCleared"), [0, 0])[0] += cleared
-        for d, n in ((into.unknown, unknown), (into.orphans, orphans), (into.ignored, ignored)):
-            if n:
-                d[engine] = d.get(engine, 0) + n
-        if refused:
-            mine = into.refused.setdefault(engine, {})
-            for reason, n in refused.items():
-                mine[reason] = mine.get(reason, 0) + n
-
-    def _all_counts(self) -> _Counts:
-        """The counters by name: those of dropped engines' past lives plus the live engines'
-        (caller holds the lock)."""
-        out = self._counts.copy()
-        for engine, pid in self._engines.ids.items():
-            self._fold(engine, pid, out)
-        return out
 
     def _log_refusal(self, engine: str) -> None:
         detail = self._core.last_refusal
@@ -229,10 +190,10 @@ class PrefixIndex:
         with self.lock:
             pid = self._engines.get(engine)
             if pid is not None:
-                self._fold(engine, pid, self._counts)  # its counters outlive its id
+                fold(self._core, engine, pid, self._counts)  # its counters outlive its id
                 self._core.reset_counters(pid)
                 self._engines.remove(engine)
-                self._core.clear_pod(pid)
+                self._core.clear_engine(pid)
                 self._prefix_cache.clear()
 
     # ------------------------------------------------------------------ lookup
@@ -289,20 +250,27 @@ class PrefixIndex:
         """Where an engine block hash lives: every engine holding it (with per-tier reference
         counts) and, when known, its namespace, depth and (for blocks within a
         sequence's first 64 tokens) its tokens. Costs one probe per engine."""
-        return queries.blocks_by_engine_hash(self, block_hash)
+        return queries.blocks_by_engine_hash(self.lock, self._core, self._engines, block_hash)
 
     def top_prefixes(self, model: str | None = None, limit: int = 10) -> list[PrefixInfo]:
         """The most widely cached prefixes: ordered by number of engines holding them, then
         length. A prefix is reported at its longest extent with that many holders; its
         shorter sub-prefixes are not repeated. Reads the index in short chunks (the lock
         is never held for long) and caches the answer for a second."""
-        return queries.top_prefixes(self, model, limit)
+        if limit <= 0:
+            return []
+        hit = self._prefix_cache.get(model, limit)
+        if hit is not None:
+            return hit
+        out = queries.top_prefixes(self.lock, self._core, self._engines, model, limit)
+        self._prefix_cache.put(model, limit, out)
+        return out
 
     def engine_hashes(self, engine: str) -> dict[str, set[BlockHash]]:
         """Engine hashes ``engine`` holds now, per tier, as the engine sent them. For
         exactness checks against an engine's true cache contents (read in chunks: call
         it on a quiet index for an exact snapshot)."""
-        return queries.engine_hashes(self, engine)
+        return queries.engine_hashes(self.lock, self._core, self._engines, engine)
 
     def engine_block_counts(self, engine: str) -> dict[str, int]:
         """Resident blocks of ``engine`` per tier (e.g. "GPU", "CPU"); {} for an unknown
@@ -312,7 +280,7 @@ class PrefixIndex:
             if pid is None:
                 return {}
             tn = self._core.tier_name
-            return {tn[t]: n for t, n in enumerate(self._core.pod_counts(pid)) if n}
+            return {tn[t]: n for t, n in enumerate(self._core.engine_counts(pid)) if n}
 
     def engines(self) -> list[str]:
         """Engines with state in the index (fed at least once and not dropped)."""
@@ -322,7 +290,7 @@ class PrefixIndex:
     def counters(self) -> IndexCounters:
         """Snapshot of the counters and sizes."""
         with self.lock:
-            c = self._all_counts()
+            c = all_counts(self._core, self._engines, self._counts)
             return IndexCounters(
                 applied=[
                     EventCount(engine=p, tier=t, type=k, events=v[0], blocks=v[1])
@@ -347,10 +315,16 @@ class PrefixIndex:
 
     def export_state(self) -> bytes:
         """The whole index (tables, engines, counters) as bytes, for snapshots."""
-        return state.export_state(self)
+        with self.lock:
+            return state.export_state(self._core, self._engines,
+                                      all_counts(self._core, self._engines, self._counts),
+                                      self._limits)
 
     def import_state(self, data: bytes) -> None:
         """Replace the whole index with :meth:`export_state`'s bytes. Raises
         ``ValueError`` (and changes nothing) when the data is not a valid state."""
-        state.import_state(self, data)
+        loaded = state.import_state(data, self._limits)
+        with self.lock:
+            self._reset()
+            self._core, self._engines, self._counts = loaded
 

@@ -1,24 +1,26 @@
 """Inspection queries of :class:`~kvevents.index.PrefixIndex` (dashboards, debugging):
 where an engine hash lives, an engine's blocks, the most shared prefixes.
 
-Readers never stall the writer: queries whose cost grows with the index read it in
-chunks of ``CHUNK`` slots or table buckets, taking the index lock once per chunk (tens
-of microseconds each), so ingest runs between chunks. Such an answer is not an atomic
-snapshot while ingest runs; on a quiet index it is exact. ``top_prefixes`` answers are
-cached for ``PREFIX_TTL_S`` so clients polling it cost one scan a second in all.
+Each works over what it is handed: the compiled :class:`Core`, the :class:`EngineIds`
+table and the index lock (it knows nothing of the facade). Readers never stall the
+writer: queries whose cost grows with the index read it in chunks of ``CHUNK`` slots
+or table buckets, taking the lock once per chunk (tens of microseconds each), so
+ingest runs between chunks. Such an answer is not an atomic snapshot while ingest
+runs; on a quiet index it is exact. The facade keeps ``top_prefixes`` answers in a
+:class:`PrefixCache` for ``PREFIX_TTL_S`` so clients polling it cost one scan a second
+in all.
 """
 
 from __future__ import annotations
 
 import heapq
+import threading
 import time
-from typing import TYPE_CHECKING
 
 from ..wire.schema import BlockHash
+from ._core import Core
+from .engine_ids import EngineIds
 from .results import BlockHolder, BlockInfo, PrefixInfo
-
-if TYPE_CHECKING:
-    from .index import PrefixIndex
 
 CHUNK = 16384
 PREFIX_TTL_S = 1.0
@@ -36,14 +38,14 @@ def hash64(h: BlockHash) -> int:
     return h & _MASK64
 
 
-def blocks_by_engine_hash(index: PrefixIndex, block_hash: BlockHash) -> BlockInfo:
+def blocks_by_engine_hash(lock: threading.Lock, core: Core, engines: EngineIds,
+                          block_hash: BlockHash) -> BlockInfo:
     h = hash64(block_hash)
-    with index.lock:
-        core = index._core
+    with lock:
         tn = core.tier_name
         holders: list[BlockHolder] = []
         best = None  # (depth, slot)
-        for pid, name in enumerate(index._engines.names):
+        for pid, name in enumerate(engines.names):
             if name is None:
                 continue
             s = core.slot_of_hash(pid, h)
@@ -64,18 +66,18 @@ def blocks_by_engine_hash(index: PrefixIndex, block_hash: BlockHash) -> BlockInf
     return info
 
 
-def engine_hashes(index: PrefixIndex, engine: str) -> dict[str, set[BlockHash]]:
+def engine_hashes(lock: threading.Lock, core: Core, engines: EngineIds,
+                  engine: str) -> dict[str, set[BlockHash]]:
     out: dict[str, set[BlockHash]] = {}
     start = 0
     while start >= 0:
-        with index.lock:
-            pid = index._engines.get(engine)
+        with lock:
+            pid = engines.get(engine)
             if pid is None:
                 return {}
-            core = index._core
-            start, chunk = core.pod_entries(pid, start, CHUNK)
-            signed = core.pod_signed(pid)
-            orig = core.pod_orig[pid]
+            start, chunk = core.engine_entries(pid, start, CHUNK)
+            signed = core.engine_signed(pid)
+            orig = core.engine_orig[pid]
             tn = list(core.tier_name)
         for h, _slot, tmask in chunk:
             v = orig.get(h, h) if orig else h
@@ -90,28 +92,43 @@ def engine_hashes(index: PrefixIndex, engine: str) -> dict[str, set[BlockHash]]:
     return out
 
 
-def top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> list[PrefixInfo]:
-    if limit <= 0:
-        return []
-    key = (model, limit)
-    hit = index._prefix_cache.get(key)
-    if hit is not None and time.monotonic() - hit[0] < PREFIX_TTL_S:
-        return hit[1]
-    out = _scan_top_prefixes(index, model, limit)
-    if len(index._prefix_cache) >= PREFIX_CACHE_KEYS:
-        # Keys come from the query string (any model name, any limit): keep it bounded.
-        index._prefix_cache.clear()
-    index._prefix_cache[key] = (time.monotonic(), out)
-    return out
+class PrefixCache:
+    """Recent ``top_prefixes`` answers by (model, limit), each valid for
+    ``PREFIX_TTL_S``; at most ``PREFIX_CACHE_KEYS`` of them (the keys come from the
+    query string: any model name, any limit). Owned by the facade, which clears it when
+    an engine is dropped. Reads and writes are single dict operations."""
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple[str | None, int], tuple[float, list[PrefixInfo]]] = {}
+
+    def get(self, model: str | None, limit: int) -> list[PrefixInfo] | None:
+        hit = self._answers.get((model, limit))
+        if hit is not None and time.monotonic() - hit[0] < PREFIX_TTL_S:
+            return hit[1]
+        return None
+
+    def put(self, model: str | None, limit: int, answer: list[PrefixInfo]) -> None:
+        if len(self._answers) >= PREFIX_CACHE_KEYS:
+            self._answers.clear()
+        self._answers[(model, limit)] = (time.monotonic(), answer)
+
+    def clear(self) -> None:
+        self._answers.clear()
+
+    def __len__(self) -> int:
+        return len(self._answers)
 
 
-def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> list[PrefixInfo]:
+def top_prefixes(lock: threading.Lock, core: Core, engines: EngineIds, model: str | None,
+                 limit: int) -> list[PrefixInfo]:
     """Two chunked passes over the slots (mark the parents a child dominates: held by
     as many engines, so never the longest extent; then keep the best undominated
     candidates), then candidates in score order, each checked alive and walked to its
-    root under a short lock."""
-    core = index._core
-    with index.lock:
+    root under a short lock. (Uncached: the facade keeps answers in a
+    :class:`PrefixCache`.)"""
+    if limit <= 0:
+        return []
+    with lock:
         n = core.n_slot_hw
         ns_filter = None
         if model is not None:
@@ -119,12 +136,12 @@ def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> lis
     dominated = bytearray(n)
     dom = memoryview(dominated)
     for start in range(0, n, CHUNK):
-        with index.lock:
+        with lock:
             core.scan_prefixes(start, CHUNK, ns_filter, dom, True)
     keep = max(4 * limit, limit + 64)
     heap: list[tuple[int, int, int]] = []
     for start in range(0, n, CHUNK):
-        with index.lock:
+        with lock:
             cand = core.scan_prefixes(start, CHUNK, ns_filter, dom, False)
         for c in cand:
             if len(heap) < keep:
@@ -138,19 +155,19 @@ def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> lis
             break
         if skey in covered:
             continue
-        with index.lock:
+        with lock:
             if not core.slot_alive(slot, skey):
                 continue
             _k, parent, depth, ns, _t = core.slot_info(slot)
-            engines = sorted(index._engines.names[p] for p in core.holders(slot)
-                             if index._engines.names[p] is not None)
+            names = engines.names
+            holders = sorted(names[p] for p in core.holders(slot) if names[p] is not None)
             mdl, bs, lora = core.ns_info[ns]
         # Walk to the root (WALK_STEPS blocks per lock hold): marks the sub-prefixes,
         # collects the leading tokens. A block freed meanwhile ends the walk.
         chain_toks: list[list[int] | None] = []
         cur, cur_key, d = slot, skey, depth
         while cur >= 0 and d > 0:
-            with index.lock:
+            with lock:
                 for _ in range(WALK_STEPS):
                     if not core.slot_alive(cur, cur_key):
                         cur = -1
@@ -173,6 +190,6 @@ def _scan_top_prefixes(index: PrefixIndex, model: str | None, limit: int) -> lis
             lead.extend(toks)
         out.append(PrefixInfo(
             tokens=depth * bs, blocks=depth, block_size=bs, leading_tokens=lead[:LEADING_TOKENS],
-            engines=engines, model=mdl, lora_name=lora,
+            engines=holders, model=mdl, lora_name=lora,
         ))
     return out

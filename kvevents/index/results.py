@@ -4,6 +4,8 @@ reference into the index and stay valid after the index changes."""
 
 from __future__ import annotations
 
+import warnings
+
 import msgspec
 
 from ..wire.schema import BlockHash
@@ -23,6 +25,16 @@ class EngineMatch(msgspec.Struct, gc=False):
     tiers: dict[str, int]
     block_size: int
 
+    @property
+    def pod(self) -> str:
+        """Deprecated: 0.1.0's name of :attr:`engine` (read-only; not encoded)."""
+        _renamed("EngineMatch.pod", "EngineMatch.engine")
+        return self.engine
+
+
+#: Deprecated: 0.1.0's name of :class:`EngineMatch` (the same class).
+PodMatch = EngineMatch
+
 
 class LookupResult(msgspec.Struct, gc=False):
     """Answer of :meth:`PrefixIndex.lookup`.
@@ -38,6 +50,17 @@ class LookupResult(msgspec.Struct, gc=False):
     engines: list[EngineMatch]
     model: str | None = None
     lora_name: str | None = None
+
+    @property
+    def pods(self) -> list[EngineMatch]:
+        """Deprecated: 0.1.0's name of :attr:`engines` (read-only; not encoded)."""
+        _renamed("LookupResult.pods", "LookupResult.engines")
+        return self.engines
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"{old} is renamed to {new}; {old} will be removed in 0.3.0",
+                  DeprecationWarning, stacklevel=3)
 
 
 class ApplyStats(msgspec.Struct, gc=False):

@@ -1,2 +1,22 @@
-"""Ingest plumbing around the subscriber: socket/file budget, log rate limiting, memory
-release after floods, and batch digests for continuity checks (one concept a module)."""
+"""Ingest: following publishers (many engines' KV event streams, in seq order).
+
+Files, one concept each::
+
+    subscriber.py  Subscriber: construction, public API, loop thread, watchdog,
+                   poll_once, housekeeping; its docstring holds the delivery contracts
+    stream.py      seq tracking of the live stream: gaps, jumps, restarts, hold-back
+    replay.py      the replay client: requests, replies, deadlines, continuity checks
+    delivery.py    decode and hand batches and signals to the consumer, in order
+    sockets.py     opening, monitoring, retrying and closing the sockets of a source
+    drain.py       receiving: whole messages from one socket per poll, bounded
+    _zmqrecv.pyx   the compiled drain, straight through libzmq (pyzmq is the fallback)
+    signals.py     what the subscriber tells its consumer (BatchReceived, BatchesLost ...)
+    source.py      one followed publisher: config, counters, per-source state
+    continuity.py  digests of the last batches applied, to tell a restarted publisher
+    budget.py      how many engines fit in the sockets and files we may open
+    ratelog.py     rate limiting of repeated log lines
+    memory.py      giving freed heap memory back to the OS after a flood
+
+    SUB ─► drain ─► stream ─┬────────────► delivery ─► consumer
+                            └─► replay ─(DEALER)─┘
+"""

@@ -33,7 +33,6 @@ import tomllib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +41,9 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvevents.defaults import DEFAULT_PORT
-from kvevents.engines.spec import ENGINE_NAME_PATTERN, EngineSpec, PodSpec
+# EngineSpec (and its deprecated alias PodSpec) lives in kvevents.engines; re-exported
+# here, where 0.1.0 defined it, with the name pattern.
+from kvevents.engines.spec import ENGINE_NAME_PATTERN, EngineSpec, PodSpec  # noqa: F401
 
 ENV_PREFIX = "KVEVENTS_"
 __all__ = ["DEFAULT_PORT", "AggregatorSettings", "EngineSpec", "PodSpec", "SettingsError",

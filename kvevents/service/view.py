@@ -1,8 +1,8 @@
 """The narrow, read-only view of the aggregator that its metrics read.
 
-:class:`~kvevents.service.aggregator.Aggregator` satisfies :class:`FleetView` structurally;
+:class:`~kvevents.service.aggregator.Aggregator` satisfies :class:`ServiceView` structurally;
 :mod:`kvevents.service.metrics` depends on this module only, so imports run one way
-(``aggregator -> metrics -> fleet_view``) and a test can hand the metrics any object
+(``aggregator -> metrics -> view``) and a test can hand the metrics any object
 with these few read methods. Every method is safe to call from any thread (the
 Prometheus scrape runs on an HTTP thread) and returns a snapshot.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from kvevents.index.results import IndexCounters
     from kvevents.ingest.budget import Budget
-    from kvevents.service.settings import EngineSpec
+    from kvevents.engines import EngineSpec
     from kvevents.ingest.subscriber import SourceStats
 
 
@@ -27,7 +27,7 @@ class IndexView(Protocol):
     def engine_block_counts(self, engine: str) -> dict[str, int]: ...
 
 
-class FleetView(Protocol):
+class ServiceView(Protocol):
     """What is followed and how it is doing: engines (engine specs), their stream
     statistics, and the index."""
 
@@ -49,3 +49,7 @@ class FleetView(Protocol):
     def ingest_health(self) -> dict: ...
 
     def ingest_heartbeat_wall(self) -> float: ...
+
+
+#: 0.1.0's name (``kvevents.fleet_view.FleetView``); "fleet" now means the demo's processes.
+FleetView = ServiceView

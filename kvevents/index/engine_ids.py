@@ -15,9 +15,10 @@ from ._core import digest64
 MAX_ENGINES = 65536
 
 
-class EngineRegistry:
+class EngineIds:
     """name <-> id, plus each id's stable hash salt (for its orphan and token-less
-    keys, which must not collide across engines)."""
+    keys, which must not collide across engines). Not to be confused with
+    :class:`kvevents.engines.EngineRegistry` (the engines the aggregator follows)."""
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
@@ -67,7 +68,7 @@ class EngineRegistry:
         return list(self.names)
 
     @classmethod
-    def restore(cls, names: list[str | None]) -> EngineRegistry:
+    def restore(cls, names: list[str | None]) -> EngineIds:
         reg = cls()
         reg.names = list(names)
         for pid, name in enumerate(names):

@@ -1,0 +1,143 @@
+"""The subscriber's sockets: per source a live SUB, its monitor, and (in
+:mod:`kvevents.ingest.replay`) a replay DEALER, all in one poller.
+
+Contracts it implements (see :mod:`kvevents.ingest.subscriber`):
+
+* every socket operation is guarded: a source whose live socket cannot be opened (out
+  of sockets or file descriptors) stays registered, counts ``socket_errors`` and is
+  retried with capped backoff (``Subscriber._BACKOFF_MIN_S`` .. ``_BACKOFF_MAX_S``) by
+  the loop's housekeeping;
+* the monitor exists before connect/bind, so every connect is seen; a reconnect marks
+  the stream for a continuity check (``verify``), since the publisher may be a new
+  process;
+* removing a source closes all its sockets; closing never raises.
+
+State: writes the subscriber's ``_poller`` and ``_by_socket`` (socket -> (source,
+role)), and each source's ``sub``, ``monitor``, ``open_backoff``, ``open_retry_at``,
+``next_probe``, ``ever_connected``, ``verify`` and ``stats.connected``; reads ``_ctx``,
+``_recv_hwm``, ``_max_message_bytes`` and ``_sources``. Runs on the subscriber's loop
+thread (or, before ``start`` and after the loop thread ended, the caller's).
+
+A mixin of :class:`~kvevents.ingest.subscriber.Subscriber`, whose ``__init__`` sets up
+the attributes used here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvevents.ingest.source import SourceState
+
+# The subscriber's logger: its records keep the name they always had.
+log = logging.getLogger("kvevents.ingest.subscriber")
+
+
+class SocketSet:
+    """The sockets of :class:`~kvevents.ingest.subscriber.Subscriber`."""
+
+    _ctx: zmq.Context
+    _recv_hwm: int
+    _max_message_bytes: int
+    _sources: dict[str, SourceState]
+    _poller: zmq.Poller
+    _by_socket: dict[zmq.Socket, tuple[SourceState, str]]
+    _BACKOFF_MIN_S: float
+    _BACKOFF_MAX_S: float
+
+    def _open(self, src: SourceState) -> bool:
+        """Open the live SUB socket and its monitor; on failure count it and schedule
+        a retry with capped backoff (the source stays registered)."""
+        config = src.config
+        sub = monitor = None
+        try:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, self._recv_hwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
+            # The monitor must exist before connect/bind or the first CONNECTED is missed.
+            monitor = sub.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+            )
+            (sub.bind if config.bind else sub.connect)(config.endpoint)
+        except zmq.ZMQError as exc:
+            src.stats.socket_errors += 1
+            src.open_backoff = min(max(src.open_backoff * 2, self._BACKOFF_MIN_S),
+                                   self._BACKOFF_MAX_S)
+            src.open_retry_at = time.monotonic() + src.open_backoff
+            log.warning("cannot open the live socket of %s (%s); retrying in %.2fs",
+                        config.name, exc, src.open_backoff)
+            self._close_quietly(monitor)
+            if sub is not None:
+                try:
+                    sub.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            self._close_quietly(sub)
+            return False
+        src.sub, src.monitor, src.open_backoff = sub, monitor, 0.0
+        self._register(sub, src, "live")
+        self._register(monitor, src, "monitor")
+        if self._can_replay(src) and config.replay_from_start and src.expected is None:
+            # Catch up on history at once: an idle publisher may send nothing live for
+            # a long time, and the batches it sent before we connected are in its buffer.
+            src.next_probe = time.monotonic()
+        return True
+
+    @staticmethod
+    def _close_quietly(sock: zmq.Socket | None) -> None:
+        if sock is None:
+            return
+        try:
+            sock.close(linger=0)
+        except zmq.ZMQError:
+            pass
+
+    def _remove(self, name: str) -> None:
+        src = self._sources.pop(name, None)
+        if src is None:
+            return
+        self._close_dealer(src)
+        if src.monitor is not None:
+            self._unregister(src.monitor)
+            try:
+                src.sub.disable_monitor()  # type: ignore[union-attr]
+            except zmq.ZMQError:
+                pass
+            self._close_quietly(src.monitor)
+        if src.sub is not None:
+            self._unregister(src.sub)
+            self._close_quietly(src.sub)
+
+    def _register(self, sock: zmq.Socket, src: SourceState, role: str) -> None:
+        self._poller.register(sock, zmq.POLLIN)
+        self._by_socket[sock] = (src, role)
+
+    def _unregister(self, sock: zmq.Socket) -> None:
+        try:
+            self._poller.unregister(sock)
+        except KeyError:
+            pass
+        self._by_socket.pop(sock, None)
+
+    def _on_monitor(self, src: SourceState, frames: list[bytes]) -> None:
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except Exception:  # a monitor frame we cannot parse says nothing about peers
+            return
+        if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            src.stats.connected += 1
+            if src.ever_connected and src.expected is not None:
+                # A reconnect: the publisher may be a new process by now.
+                src.verify = True
+            src.ever_connected = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            src.stats.connected = max(0, src.stats.connected - 1)
+
+    def _close_all(self) -> None:
+        for name in list(self._sources):
+            self._remove(name)

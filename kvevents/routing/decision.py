@@ -1,0 +1,66 @@
+"""The one place a routing request becomes a decision.
+
+:class:`Router` takes a prompt's token ids and, optionally, the candidate engines with
+their load, and returns the policy's :class:`~kvevents.routing.policies.RouteDecision`:
+
+1. candidates: those the caller names, each checked against the followed engines (an
+   unknown or repeated engine is an :class:`~kvevents.text.prompt.InputError` naming
+   ``candidates[i].engine``); by default every followed engine that is not down, with
+   no load;
+2. the index lookup, waiting on the event loop for at most a bound (:mod:`.offloop`);
+3. blocks of engines down for ``down_after_s`` removed from the lookup (they must not
+   attract requests), and engines down now marked, so the policy never picks one while
+   another is up.
+
+``POST /v1/route`` is a thin handler over :meth:`Router.decide`, and so is anything
+else that routes in the same process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvevents.routing.offloop import lookup
+from kvevents.routing.policies import Candidate, EngineLoad, KVAwarePolicy, RouteDecision, without_engines
+from kvevents.service.aggregator import Aggregator
+from kvevents.text.prompt import InputError
+
+
+class Router:
+    """Routing decisions over one aggregator's index and engines; see the module docstring.
+    Holds no state of its own beyond the policy; safe to share across requests."""
+
+    def __init__(self, aggregator: Aggregator, policy: KVAwarePolicy | None = None) -> None:
+        self.aggregator = aggregator
+        self.policy = policy or KVAwarePolicy()
+
+    def candidates(self, requested: Sequence[tuple[str, EngineLoad]] | None) -> list[Candidate]:
+        """``requested`` as candidates, each an engine followed and named once; None:
+        every engine not down (all of them when all are down), with no load."""
+        known = {e["name"]: e["status"] for e in self.aggregator.engine_statuses()}
+        if requested is None:
+            engines = [name for name, status in known.items() if status != "down"] or list(known)
+            if not engines:
+                raise InputError(422, "the aggregator follows no engines; pass candidates", "candidates")
+            return [Candidate(name) for name in engines]
+        if not requested:
+            raise InputError(422, "candidates must not be empty", "candidates")
+        out, seen = [], set()
+        for i, (engine, load) in enumerate(requested):
+            if engine not in known:
+                raise InputError(422, f"unknown engine {engine!r}", f"candidates[{i}].engine")
+            if engine in seen:
+                raise InputError(422, f"engine {engine!r} listed twice", f"candidates[{i}].engine")
+            seen.add(engine)
+            out.append(Candidate(engine, load))
+        return out
+
+    async def decide(self, token_ids: Sequence[int], model: str | None = None,
+                     lora_name: str | None = None,
+                     requested: Sequence[tuple[str, EngineLoad]] | None = None) -> RouteDecision:
+        """The engine for this prompt. Raises :class:`InputError` for bad candidates."""
+        agg = self.aggregator
+        candidates = self.candidates(requested)
+        result = without_engines(await lookup(agg, token_ids, model, lora_name, "route"),
+                                 agg.unroutable_engines())
+        return self.policy.choose(token_ids, result, candidates, down=agg.down_engines())

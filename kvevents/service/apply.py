@@ -1,0 +1,177 @@
+"""Applying the subscriber's signals to the index (the ingest thread's half of the service).
+
+:class:`IndexWriter` is the subscriber's consumer. Every signal of one engine arrives in
+seq order on the subscriber's loop thread:
+
+* :class:`BatchesReceived`: applied to the index as one group (one lock, one core call),
+  then observed once (metrics, the feed). The engine's anchor (seq and publisher
+  timestamp of the last batch applied) is recorded under :attr:`IndexWriter.lock`
+  together with the apply, so a snapshot captured under the same lock always pairs an
+  index state with the anchors it holds.
+* :class:`PublisherRestarted` and :class:`BatchesLost`: the engine's state is dropped
+  (the index only claims blocks it can vouch for); its new announcements rebuild it.
+* :class:`Resynced`: dropped likewise, after a failed apply or a continuity break.
+* :class:`GapDetected`: only shown on the feed (the subscriber replays it).
+
+Failure: an exception while applying a group leaves the engine's state unknown, so it
+is counted by kind (:attr:`apply_errors`), the engine is dropped and rebuilt from
+replay, this time event by event up to the group's last seq: one bad event costs only
+itself. Nothing here raises into the subscriber.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvevents.engines import EngineRegistry
+from kvevents.index import ApplyStats, PrefixIndex
+from kvevents.index.results import add_stats
+from kvevents.ingest.signals import (
+    BatchesLost,
+    BatchesReceived,
+    GapDetected,
+    PublisherRestarted,
+    Resynced,
+    Signal,
+)
+from kvevents.service.feed import EventFeed
+from kvevents.service.metrics import AggregatorMetrics
+from kvevents.wire.schema import KVEventBatch
+
+log = logging.getLogger(__name__)
+
+
+class IndexWriter:
+    """The subscriber's consumer; see the module docstring. ``resync(engine, reason)``
+    asks the subscriber to rebuild an engine from replay."""
+
+    def __init__(self, index: PrefixIndex, engines: EngineRegistry, metrics: AggregatorMetrics,
+                 feed: EventFeed, resync: Callable[[str, str], None]) -> None:
+        self.index = index
+        self.engines = engines
+        self.metrics = metrics
+        self.feed = feed
+        self._resync = resync
+        # Held while a batch is applied and its anchor recorded, and while a snapshot
+        # is captured, so a snapshot's index state and anchors always agree.
+        self.lock = threading.Lock()
+        self.anchors: dict[str, tuple[int, float]] = {}  # engine -> (seq, ts) last applied
+        # (engine, kind) -> count of exceptions while applying (kind: exception or event type).
+        self.apply_errors: dict[tuple[str, str], int] = {}
+        # engine -> [seq of the batch that failed, resync seen]: while set, that engine's
+        # batches up to the seq are applied event by event.
+        self._careful: dict[str, list] = {}
+
+    # -- called by the service -----------------------------------------------------------
+
+    def resume(self, engine: str, seq: int, ts: float) -> None:
+        """The engine's restored state holds its batches up to ``seq`` (stamped ``ts``)."""
+        with self.lock:
+            self.anchors[engine] = (seq, ts)
+
+    def drop(self, engine: str) -> None:
+        """Forget the engine's blocks and anchor (nothing restorable until rebuilt)."""
+        with self.lock:
+            self.index.drop_engine(engine)
+            self.anchors.pop(engine, None)
+
+    def capture(self) -> tuple[bytes, dict[str, tuple[int, float]]]:
+        """The index state and the anchors it holds, taken together."""
+        with self.lock:
+            return self.index.export_state(), dict(self.anchors)
+
+    # -- the subscriber's consumer (its loop thread) ------------------------------------
+
+    def on_signal(self, sig: Signal) -> None:
+        known, model = self.engines.model_of(sig.source)
+        if not known:
+            return  # removed while its last messages were in flight
+        if isinstance(sig, BatchesReceived):  # our subscriber groups: no BatchReceived
+            self._on_batches(sig, model)
+        elif isinstance(sig, PublisherRestarted):
+            self.drop(sig.source)
+            self.feed.publish("restart", {"engine": sig.source, "last_seq": sig.last_seq})
+        elif isinstance(sig, BatchesLost):
+            self.drop(sig.source)
+            self.engines.count_resync(sig.source)
+            log.warning("engine %s: %d batches lost from seq %d (%s); its state was dropped",
+                        sig.source, sig.count, sig.first_seq, sig.reason)
+            self.feed.publish("loss", {"engine": sig.source, "first_seq": sig.first_seq,
+                                       "count": sig.count, "reason": sig.reason})
+        elif isinstance(sig, Resynced):
+            self.index.drop_engine(sig.source)
+            careful = self._careful.get(sig.source)
+            if careful is not None:
+                careful[1] = True
+            self.engines.count_resync(sig.source)
+            self.feed.publish("resync", {"engine": sig.source, "reason": sig.reason})
+        elif isinstance(sig, GapDetected):
+            self.feed.publish("gap", {"engine": sig.source, "expected": sig.expected_seq,
+                                      "received": sig.received_seq})
+
+    def _on_batches(self, sig: BatchesReceived, model: str | None) -> None:
+        """Consecutive batches of one engine: applied, then observed, as one."""
+        with self.lock:
+            applied = self._apply_group(sig, model)
+            if applied is not None:
+                self.anchors[sig.source] = (sig.seqs[-1], sig.batches[-1].ts)
+        if applied is None:
+            return
+        self.metrics.observe_batches(sig.source, sig.batches)
+        self.feed.publish("batch", {
+            "engine": sig.source, "seq": sig.seqs[-1], "batches": len(sig.seqs),
+            "replayed": sig.replayed, "stored": applied.stored_blocks,
+            "removed": applied.removed_blocks, "cleared": applied.cleared,
+        })
+
+    def _apply_group(self, sig: BatchesReceived, model: str | None) -> ApplyStats | None:
+        """Apply a group of consecutive batches; never raises. Returns the stats, or None
+        when the group was not applied as a whole (see the module docstring). Past the
+        failed group's last seq, batches apply whole again."""
+        careful = self._careful.get(sig.source)
+        seqs, batches = sig.seqs, sig.batches
+        rebuilt = None
+        if careful is not None and careful[1]:  # rebuilding, after the resync
+            upto = careful[0]
+            rebuilt = ApplyStats()
+            for seq, batch in zip(seqs, batches):
+                if seq <= upto:
+                    rebuilt = add_stats(rebuilt, self._apply_each(sig.source, batch, model))
+            seqs = [q for q in seqs if q > upto]
+            batches = batches[len(batches) - len(seqs):]
+            if not seqs:
+                return rebuilt
+            del self._careful[sig.source]  # rebuilt past the failure: back to batches
+        try:
+            stats = self.index.apply_batches(sig.source, batches, model=model)
+        except Exception as exc:
+            self._count_apply_error(sig.source, type(exc).__name__)
+            log.warning("engine %s: applying batches seq %d-%d failed (%s: %s); rebuilding the "
+                        "engine event by event", sig.source, seqs[0], seqs[-1],
+                        type(exc).__name__, exc)
+            self._careful[sig.source] = [seqs[-1], False]
+            self._resync(sig.source, f"apply failed at seq {seqs[0]}-{seqs[-1]}")
+            return None
+        if rebuilt is not None:
+            stats = add_stats(stats, rebuilt)
+        return stats
+
+    def _count_apply_error(self, engine: str, kind: str) -> None:
+        key = (engine, kind)
+        self.apply_errors[key] = self.apply_errors.get(key, 0) + 1
+
+    def _apply_each(self, engine: str, batch: KVEventBatch, model: str | None) -> ApplyStats:
+        """The slow, isolating path (only while rebuilding after a failure)."""
+        total = ApplyStats()
+        ts, rank = batch.ts, batch.data_parallel_rank
+        for ev in batch.events:
+            one = KVEventBatch(ts, [ev], rank)
+            try:
+                st = self.index.apply_batch(engine, one, model=model)
+            except Exception:
+                self._count_apply_error(engine, type(ev).__name__)
+                continue
+            total = add_stats(total, st)
+        return total
