@@ -1,10 +1,14 @@
 """``kvevents demo`` end to end, as a newcomer runs it, with real Prometheus and Chromium.
 
-One short demo (2 engine processes, the aggregator, the router) serves three checks:
-the summary says nothing was lost and the index equals the engines' caches; a real
-Prometheus scraping the demo's aggregator and engines evaluates every Grafana panel's
-PromQL, and every metric a panel names has data; headless Chromium shows every engine
-on the live page, and its screenshot is kept under ``artifacts/``.
+One short demo with its defaults (2 engine processes with their OpenAI front, the
+aggregator as their gateway, the demo as an OpenAI client) serves three checks: the
+summary says every request was served, nothing was lost and the index equals the
+engines' caches; a real Prometheus scraping the demo's aggregator and engines evaluates
+every Grafana panel's PromQL, and every metric a panel names has data (but those that
+only count trouble); headless Chromium shows every engine on the live page, and its
+screenshot is kept under ``artifacts/``. Then one shorter run per policy the demo routes itself (``kv``,
+``round_robin``, ``least_loaded``, over engine RPC) checks its summary, and the
+gateway client's failure accounting is checked against answers made up for it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -30,8 +35,6 @@ ARTIFACTS = ROOT / "artifacts"
 _VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m",
          "$model": ".*", "$engine": ".*", "$instance": ".*"}
 _METRIC = re.compile(r"\b(?:kvevents_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
-
-
 def panel_queries() -> list[tuple[str, str]]:
     dash = json.loads(DASHBOARD.read_text())
     out = []
@@ -121,11 +124,103 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
             demo.wait(30)
     assert demo.returncode == 0, out
     s = json.loads(summary_path.read_text())
-    assert s["engines"] == 2 and s["policy"] == "kv" and s["requests"] == 60, s
+    check_summary(s, out, "gateway", 2, 60)
+    assert s["hit_tokens"]["CPU"] > 0 and s["offload"]["loaded_bytes"] > 0, s  # the CPU tier served hits
+    # No process of the demo outlives it.
+    assert not subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True).stdout
+
+
+def check_summary(s: dict, out: str, policy: str, engines: int, requests: int) -> None:
+    """What every healthy demo's summary says, and what its policy adds."""
+    assert s["engines"] == engines and s["policy"] == policy and s["requests"] == requests, s
+    assert s["failed_requests"] == 0 and s["rejected_requests"] == 0, s
     assert s["events"]["lost"] == 0 and s["index_mismatches"] == 0 and s["kv_mismatches"] == 0, s
     assert s["events"]["published"] == s["events"]["applied"] > 0, s
     assert s["hit_tokens"]["GPU"] > 0 and s["prompt_tokens"] > s["computed_prefill_tokens"], s
-    assert s["hit_tokens"]["CPU"] > 0 and s["offload"]["loaded_bytes"] > 0, s  # the CPU tier served hits
-    assert "OK: nothing lost" in out
-    # No process of the demo outlives it.
-    assert not subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True).stdout
+    per_engine = s["requests_per_engine"]
+    assert sorted(per_engine) == [f"engine-{i}" for i in range(engines)], s
+    assert sum(per_engine.values()) == requests, s
+    if policy == "gateway":
+        # Every request served through the gateway, spread over the engines, with what
+        # the engines reported (usage at the client, their /metrics, the gateway's count)
+        # agreeing, and the gateway's prediction close to it.
+        assert min(per_engine.values()) >= requests / engines / 4, per_engine
+        assert s["hit_tokens_source"] == "engine /metrics", s
+        hits = s["hit_tokens"]["GPU"] + s["hit_tokens"]["CPU"]
+        assert hits == s["reported_cached_tokens"] > 0, s
+        g = s["gateway"]
+        assert g["usage_reports"] == requests and g["reported_cached_tokens"] == hits, g
+        assert g["predicted_cached_tokens"] > 0, g
+        assert 0.5 <= g["predicted_cached_tokens"] / g["reported_cached_tokens"] <= 2.0, g
+        assert 0 < s["ttft_seconds"]["p50"] <= s["ttft_seconds"]["p99"] <= s["e2e_seconds"]["p99"] < 60, s
+        assert f"OK: {requests} requests served through the gateway, nothing lost" in out
+        for row in ("failed requests", "TTFT p50 / p99 (wall, client via gateway)",
+                    "gateway predicted / reported cached", "hit tokens GPU / CPU (engine /metrics)"):
+            assert row in out, out
+    else:
+        assert all(n > 0 for n in per_engine.values()), per_engine
+        assert s["route_errors"] == 0, s
+        assert "OK: nothing lost" in out and "TTFT p50 / p99 (simulated)" in out, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["kv", "round_robin", "least_loaded"])
+def test_each_rpc_policy_serves_every_request_exactly(tmp_path, policy):
+    """The policies the demo routes itself, over engine RPC (the default, the gateway,
+    is the run above)."""
+    summary_path = tmp_path / "summary.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "kvevents.cli", "demo", "--engines", "2", "--requests", "24",
+         "--duration", "3", "--policy", policy, "--port", str(free_port()), "--no-progress",
+         "--summary-json", str(summary_path), "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, timeout=110)
+    assert r.returncode == 0, r.stdout
+    check_summary(json.loads(summary_path.read_text()), r.stdout, policy, 2, 24)
+
+
+def test_the_client_counts_every_failed_request():
+    """Answers made up for the gateway client: only a whole 200 stream with the engine
+    header, a usage chunk and [DONE] is served; a prompt too long is rejected, not failed."""
+    from kvevents.demo.openai_client import GatewayDriver
+    from kvevents.demo.workload import DemoRequest
+
+    def sse(*docs: object) -> bytes:
+        return b"".join(b"data: " + (d if isinstance(d, bytes) else json.dumps(d).encode()) + b"\n\n"
+                        for d in docs)
+
+    usage = {"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}}, "choices": []}
+    text = {"choices": [{"index": 0, "text": " a"}]}
+    head = {"x-kvevents-engine": "engine-1", "content-type": "text/event-stream"}
+    answers = {
+        0: httpx.Response(200, headers=head, content=sse(text, usage, b"[DONE]")),
+        1: httpx.Response(200, headers=head, content=sse(text, usage)),  # cut before [DONE]
+        2: httpx.Response(200, headers=head, content=sse(text, b"[DONE]")),  # no usage chunk
+        3: httpx.Response(503, json={"error": {"message": "busy", "code": None}}),
+        4: httpx.Response(400, json={"error": {"message": "too long", "code": "context_length_exceeded"}}),
+    }
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert request.url.path == "/v1/completions" and body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True} and body["model"] == "sim"
+        sent.append(body["max_tokens"])
+        if body["prompt"][0] == 5:
+            raise httpx.ConnectError("refused")
+        return answers[body["prompt"][0]]
+
+    fleet = SimpleNamespace(engines=[], url="http://gateway.test", check_alive=lambda: None)
+    requests = [DemoRequest(f"r{i}", i * 0.01, [i, 7, 7], 4) for i in range(6)]
+    driver = GatewayDriver(fleet, requests, 0.05, progress=False, clients=2,  # type: ignore[arg-type]
+                           transport=httpx.MockTransport(answer))
+    try:
+        driver.run()
+    finally:
+        driver.close()
+    r = driver.results
+    assert sent == [4] * 6 and all(o.done for o in r.values())
+    assert r["r0"].failed is None and (r["r0"].engine, r["r0"].prompt_tokens, r["r0"].cached_tokens) == ("engine-1", 5, 3)
+    assert r["r0"].ttft is not None and r["r0"].e2e is not None
+    assert [r[f"r{i}"].failed for i in range(1, 6)] == [
+        "stream ended before [DONE]", "no usage chunk", "HTTP 503", None, "ConnectError"]
+    assert r["r4"].rejected == "too long"

@@ -1,4 +1,5 @@
-"""The live page in a real headless Chromium, on a real aggregator following real publishers.
+"""The live page in a real headless Chromium, on a real aggregator following real publishers
+(and, for its gateway section, simulated engine processes with their OpenAI front).
 
 Chromium is driven over the DevTools protocol (see tests/browser.py). The test waits on the page's own DOM, reads it back, and saves a screenshot
 under ``artifacts/`` for a human to look at.
@@ -16,6 +17,7 @@ import pytest
 
 from browser import READ_PAGE, Browser
 from support import LossyForwarder, ServerThread, free_port, require_binary, wait_until
+from test_dashboard import SimOpenAIEngine
 from kvevents.api import create_app
 from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
@@ -158,3 +160,120 @@ def test_live_page_shows_the_fleet_in_a_real_browser(fleet, tmp_path):
     assert page["prefixes"][0]["engines"] == ["engine-0", "engine-1", "engine-2"]
     assert page["prefixes"][0]["tokens"] == len(SHARED)
     assert (ARTIFACTS / "live_page.png").stat().st_size > 10_000
+
+
+READ_GATEWAY = """(() => {
+  const section = document.querySelector('#gateway-section');
+  return {
+    shown: !section.hidden, routes_seen: Number(section.dataset.routes),
+    engines: [...document.querySelectorAll('#gateway tbody tr[data-engine]')].map((tr) => {
+      const f = (n) => tr.querySelector(`[data-field="${n}"]`).dataset.value;
+      return {engine: tr.dataset.engine, reachable: tr.dataset.reachable === '1',
+              inflight: Number(f('inflight')), kv_usage: Number(f('kv_usage')),
+              last_error: f('last_error'), accuracy: f('accuracy'), text: tr.innerText};
+    }),
+    routes: [...document.querySelectorAll('#routes tbody tr[data-route]')].map((tr) => ({
+      engine: tr.dataset.engine, matched: Number(tr.dataset.matched),
+      prompt: tr.dataset.prompt === '' ? null : Number(tr.dataset.prompt),
+      reason: tr.querySelector('.reason').title, text: tr.innerText})),
+  };
+})()"""
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(n)]
+
+
+@pytest.mark.timeout(150)
+def test_live_page_shows_the_gateway(tmp_path):
+    """Two simulated engine processes with their OpenAI front behind a real aggregator,
+    and a third engine whose server is down; real requests through the gateway. The
+    page shows each engine's gateway state and the routing decisions from the feed."""
+    binary = require_binary("chromium")
+    sims = [SimOpenAIEngine("sim", tmp_path / f"engine-{i}.log", gpu_blocks=1024) for i in range(2)]
+    dead = EngineSpec("engine-2", f"tcp://127.0.0.1:{free_port()}", model="sim",
+                      http=f"http://127.0.0.1:{free_port()}")
+    settings = AggregatorSettings(engines=(sims[0].spec("engine-0"), sims[1].spec("engine-1"), dead))
+    try:
+        with ServerThread(create_app(settings)) as srv:
+            for s in sims:
+                s.wait_ready()
+
+            def gateway() -> dict[str, dict]:
+                return {e["name"]: e["gateway"] for e in httpx.get(f"{srv.url}/v1/engines").json()["engines"]}
+
+            assert wait_until(lambda: [g["reachable"] for _, g in sorted(gateway().items())]
+                              == [True, True, False], 20, 0.1), gateway()
+            # (closed before the server: its feed stream would hold the server's shutdown)
+            browser = Browser(binary, f"{srv.url}/", tmp_path / "profile")
+            try:
+                page, busy, sent = _drive_gateway(srv.url, browser)
+            finally:
+                browser.close()
+                shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+            api = gateway()
+    finally:
+        for s in sims:
+            s.close()
+
+    assert page["shown"] and page["routes_seen"] == 7
+    rows = {e["engine"]: e for e in page["engines"]}
+    assert sorted(rows) == ["engine-0", "engine-1", "engine-2"]
+    assert rows["engine-0"]["reachable"] and rows["engine-1"]["reachable"]
+    assert not rows["engine-2"]["reachable"] and "unreachable" in rows["engine-2"]["text"]
+    assert rows["engine-2"]["last_error"] == api["engine-2"]["last_error"] != ""
+    assert all(rows[n]["inflight"] == (1 if n == busy else 0) for n in ("engine-0", "engine-1"))
+    # Routing accuracy per engine: what the engines reported over what the index predicted.
+    for n in ("engine-0", "engine-1"):
+        g = api[n]
+        want = f"{g['reported_cached_tokens'] / g['predicted_cached_tokens']:.4f}" if g["predicted_cached_tokens"] else ""
+        assert rows[n]["accuracy"] == want, (n, g, rows[n])
+    assert sum(api[n]["predicted_cached_tokens"] for n in ("engine-0", "engine-1")) >= 3 * 64
+    # Newest first: the held stream, then the second round, then the first (from the feed).
+    routes = page["routes"][::-1]
+    assert [r["engine"] for r in routes] == sent + [busy]
+    assert [r["prompt"] for r in routes] == [80, 80, 80, 96, 96, 96, 64]
+    assert [r["matched"] for r in routes[:3]] == [0, 0, 0]
+    assert all(r["matched"] >= 64 for r in routes[3:6]), routes  # 80 of 96 cached: whole blocks
+    assert all(r["reason"] and r["reason"] in r["text"] for r in routes)
+    assert "session" in routes[5]["text"] and "chat-7" in routes[5]["text"]
+    assert "96" in routes[3]["text"] and str(routes[3]["matched"]) in routes[3]["text"]
+
+
+def _drive_gateway(url: str, browser: Browser) -> tuple[dict, str, list[str]]:
+    """Requests through the gateway while the page watches; returns what the page shows
+    with a long streamed answer still in flight, that answer's engine, and the engines
+    that answered the requests before it."""
+    tools = browser.tools
+    assert wait_until(lambda: (tools.evaluate("Number(document.body?.dataset.summaries)") or 0) >= 1, 15, 0.1)
+    # New prompts, then the same prompts again (back to their engine, with the cached
+    # prefix predicted), one in a session.
+    sent = []
+    for round_ in range(2):
+        for i in range(3):
+            r = httpx.post(f"{url}/v1/completions", timeout=30,
+                           headers={"x-session-id": "chat-7"} if i == 2 else {},
+                           json={"model": "sim", "prompt": _prompt(i, 80 + 16 * round_), "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            sent.append(r.headers["x-kvevents-engine"])
+        if round_ == 0:  # the index learns the engines' blocks from their events
+            assert wait_until(lambda: httpx.post(f"{url}/v1/lookup", json={
+                "token_ids": _prompt(0, 80), "model": "sim"}).json()["engines"], 10)
+    assert set(sent) <= {"engine-0", "engine-1"} and sent[3:] == sent[:3]
+
+    # A long streamed answer held open: the page shows it in flight.
+    with httpx.Client(timeout=30) as c, c.stream("POST", f"{url}/v1/completions", json={
+            "model": "sim", "prompt": _prompt(9, 64), "max_tokens": 12000, "stream": True}) as held:
+        assert held.status_code == 200
+        next(held.iter_raw())
+        busy = held.headers["x-kvevents-engine"]
+
+        def in_flight() -> bool:
+            page = tools.evaluate(READ_GATEWAY)
+            return page["routes_seen"] >= 7 and any(
+                e["engine"] == busy and e["inflight"] == 1 for e in page["engines"])
+
+        assert wait_until(in_flight, 10, 0.1), tools.evaluate(READ_GATEWAY)
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.screenshot(ARTIFACTS / "live_page_gateway.png")
+        return tools.evaluate(READ_GATEWAY), busy, sent

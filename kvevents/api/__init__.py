@@ -16,10 +16,12 @@ from prometheus_client import CollectorRegistry
 from starlette.routing import request_response
 
 from kvevents import __version__
-from kvevents.api import routes_engines, routes_ops, routes_query, routes_route, routes_snapshot
+from kvevents.api import (routes_engines, routes_openai, routes_ops, routes_query, routes_route,
+                          routes_snapshot)
 from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
 from kvevents.api.limits import BodySizeLimit
+from kvevents.gateway import Gateway, GatewayMetrics
 from kvevents.routing import Router
 from kvevents.service.aggregator import Aggregator
 from kvevents.service.settings import AggregatorSettings
@@ -37,19 +39,24 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if aggregator is not None:
-            app.state.aggregator = aggregator
-            app.state.routing = Router(aggregator)
-            yield
-            return
-        agg = Aggregator(settings, registry)
-        agg.start()
+        own = aggregator is None
+        agg = Aggregator(settings, registry) if own else aggregator
+        if own:
+            agg.start()
         app.state.aggregator = agg
         app.state.routing = Router(agg)
+        app.state.gateway = Gateway(
+            app.state.routing, app.state.tokenizers, GatewayMetrics(agg.registry),
+            api_key=settings.api_key, timeout_s=settings.request_timeout_s,
+            max_inflight=settings.max_inflight, poll_interval_s=settings.engine_poll_interval_s,
+            max_prompt_tokens=settings.max_prompt_tokens)
+        await app.state.gateway.start()
         try:
             yield
         finally:
-            agg.stop()
+            await app.state.gateway.stop()
+            if own:
+                agg.stop()
 
     app = FastAPI(
         title="kvevents aggregator",
@@ -62,19 +69,21 @@ def create_app(
     install_body_schemas(app)
     # Loaded now, not in the lifespan: a bad tokenizer path stops startup with its name.
     app.state.tokenizers = TokenizerRegistry.load(settings.tokenizers)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       openai_paths=("/v1/chat/completions", "/v1/completions"))
     app.include_router(routes_ops.router)
     app.include_router(routes_engines.router)
     app.include_router(routes_engines.legacy_router)
     app.include_router(routes_query.router)
     app.include_router(routes_route.router)
     app.include_router(routes_snapshot.router)
+    app.include_router(routes_openai.router)
     serve_lean(app, HOT_PATHS)
     return app
 
 
-#: The endpoints routers call per request.
-HOT_PATHS = ("/v1/lookup", "/v1/route")
+#: The endpoints routers and OpenAI clients call per request.
+HOT_PATHS = ("/v1/lookup", "/v1/route", "/v1/chat/completions", "/v1/completions")
 
 
 def serve_lean(app: FastAPI, paths: tuple[str, ...]) -> None:

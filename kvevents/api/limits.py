@@ -1,7 +1,8 @@
 """ASGI middleware rejecting oversized request bodies before they are read whole.
 
 A declared ``Content-Length`` over the limit is answered 413 at once; a chunked body is
-counted as it streams and cut off with 413 when it passes the limit.
+counted as it streams and cut off with 413 when it passes the limit. The answer has the
+API's error shape, or OpenAI's on the OpenAI endpoints (``openai_paths``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvevents.gateway.errors import error_body
+
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, openai_paths: tuple[str, ...] = ()) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.openai_paths = openai_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -27,7 +31,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = -1
                 if declared > self.max_bytes:
-                    await self._reject(send)
+                    await self._reject(scope, send)
                     return
         seen = 0
 
@@ -43,12 +47,14 @@ class BodySizeLimit:
         try:
             await self.app(scope, counting_receive, send)
         except _TooLarge:
-            await self._reject(send)
+            await self._reject(scope, send)
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            {"error": f"request body larger than {self.max_bytes} bytes", "field": None}
-        ).encode()
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        message = f"request body larger than {self.max_bytes} bytes"
+        if scope.get("path") in self.openai_paths:
+            body = error_body(413, message)
+        else:
+            body = json.dumps({"error": message, "field": None}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -69,6 +69,22 @@ class EngineCreate(_Strict):
     replay_endpoint: str | None = Field(None, description="Its replay (ROUTER) endpoint.")
     model: str | None = None
     topic: str = ""
+    http: str | None = Field(None, description="Its OpenAI server, http://HOST:PORT: the "
+                                               "gateway routes OpenAI requests to it.")
+
+
+class GatewayView(BaseModel):
+    reachable: bool = Field(description="Its OpenAI server answered the last poll or request.")
+    inflight: int = Field(description="Requests in flight from this gateway.")
+    others_load: float = Field(description="Its waiting + running requests not from this gateway "
+                                           "(its /metrics at the last poll).")
+    kv_usage: float
+    last_error: str | None
+    predicted_cached_tokens: int = Field(description="Cached prompt tokens the index predicted "
+                                                     "for the answers that reported theirs.")
+    reported_cached_tokens: int = Field(description="What the engine reported for them "
+                                                    "(usage.prompt_tokens_details.cached_tokens).")
+    usage_reports: int
 
 
 class EngineOut(BaseModel):
@@ -76,6 +92,9 @@ class EngineOut(BaseModel):
     endpoint: str
     replay_endpoint: str | None
     model: str | None
+    http: str | None = None
+    gateway: GatewayView | None = Field(None, description="Present for engines with an OpenAI "
+                                                          "server (http).")
     status: Literal["live", "stale", "down", "replaying"]
     connected: bool
     last_seq: int | None

@@ -24,14 +24,31 @@ async def get_aggregator(request: Request) -> Aggregator:
     return request.app.state.aggregator
 
 
-def list_engines(agg: Aggregator = Depends(get_aggregator)) -> dict:
-    return {"engines": agg.engine_statuses()}
+def list_engines(request: Request, agg: Aggregator = Depends(get_aggregator)) -> dict:
+    return {"engines": with_gateway(request, agg.engine_statuses())}
+
+
+def with_gateway(request: Request, engines: list[dict]) -> list[dict]:
+    """Each engine with an OpenAI server also shows what the gateway knows of it: whether
+    it answers, its requests in flight from this gateway, and the engine's own load."""
+    gateway = getattr(request.app.state, "gateway", None)
+    for entry in engines:
+        if gateway is not None and entry.get("http"):
+            t = gateway.loads.of(entry["name"])
+            entry["gateway"] = {"reachable": t.reachable, "inflight": t.inflight,
+                                "others_load": t.others, "kv_usage": t.kv_usage,
+                                "last_error": t.last_error,
+                                "predicted_cached_tokens": t.predicted_cached,
+                                "reported_cached_tokens": t.reported_cached,
+                                "usage_reports": t.usage_reports}
+    return engines
 
 
 def add_engine(body: EngineCreate, agg: Aggregator = Depends(get_aggregator)) -> dict:
     try:
         spec = EngineSpec(name=body.name, endpoint=body.endpoint,
-                          replay_endpoint=body.replay_endpoint, model=body.model, topic=body.topic)
+                          replay_endpoint=body.replay_endpoint, model=body.model, topic=body.topic,
+                          http=body.http)
     except ValueError as exc:
         raise ApiError(422, str(exc), getattr(exc, "field", "endpoint")) from None
     try:
@@ -41,7 +58,7 @@ def add_engine(body: EngineCreate, agg: Aggregator = Depends(get_aggregator)) ->
     except EngineBudgetError as exc:  # out of sockets/files for another engine
         raise ApiError(409, str(exc), "name") from None
     return {"name": spec.name, "endpoint": spec.endpoint, "replay_endpoint": spec.replay_endpoint,
-            "model": spec.model, "topic": spec.topic}
+            "model": spec.model, "topic": spec.topic, "http": spec.http}
 
 
 def delete_engine(name: str, agg: Aggregator = Depends(get_aggregator)) -> Response:
@@ -63,8 +80,8 @@ def engine_blocks(name: str, agg: Aggregator = Depends(get_aggregator)) -> dict:
         for tier, hashes in tiers.items()}}
 
 
-def list_engines_legacy(agg: Aggregator = Depends(get_aggregator)) -> dict:
-    engines = agg.engine_statuses()
+def list_engines_legacy(request: Request, agg: Aggregator = Depends(get_aggregator)) -> dict:
+    engines = with_gateway(request, agg.engine_statuses())
     return {"engines": engines, "pods": engines}
 
 

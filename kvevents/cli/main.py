@@ -89,7 +89,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", action="append", default=None,
                    metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
                    help="a publisher to follow (repeatable); options: replay=, model=, topic=, "
-                        "bind=1 (default: none; more can be added with POST /v1/engines)")
+                        "bind=1, http= (its OpenAI server: the gateway routes to it) (default: "
+                        "none; more can be added with POST /v1/engines)")
     p.add_argument("--host", default=None,
                    help="listen address (default: {default})")
     p.add_argument("--port", type=int, default=None, help="listen port (default: {default})")
@@ -111,6 +112,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="tokenizer directory (Hugging Face layout) for lookups by prompt text "
                         "or chat messages of MODEL (repeatable; env KVEVENTS_TOKENIZERS; "
                         "default: none)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token required on the OpenAI endpoints (default: none, open)")
+    p.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
+                   metavar="SECONDS", help="seconds a proxied OpenAI request may wait for its "
+                                           "answer (default: {default})")
+    p.add_argument("--max-inflight", type=int, default=None, dest="max_inflight",
+                   help="proxied requests in flight before 503 (default: {default})")
+    p.add_argument("--engine-poll-interval", type=float, default=None, dest="engine_poll_interval_s",
+                   metavar="SECONDS", help="seconds between reads of each engine's /metrics "
+                                           "(default: {default})")
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="HTTP server log level (default: {default})")
@@ -159,7 +170,9 @@ def _serve(args: argparse.Namespace) -> int:
             auth_token=args.auth_token, stale_after_s=args.stale_after_s, log_level=args.log_level,
             down_after_s=args.down_after_s, data_dir=args.data_dir,
             snapshot_interval_s=args.snapshot_interval_s, bootstrap_from=args.bootstrap_from,
-            tokenizers=args.tokenizer,
+            tokenizers=args.tokenizer, api_key=args.api_key,
+            request_timeout_s=args.request_timeout_s, max_inflight=args.max_inflight,
+            engine_poll_interval_s=args.engine_poll_interval_s,
         )
     except SettingsError as exc:
         return fail("kvevents serve", exc.lines)

@@ -1,11 +1,22 @@
 """``kvevents demo``: a live KV-aware fleet on one machine.
 
 Starts N engine processes (paged-KV engine + offloading connector with a CPU tier,
-publishing KV events like vLLM), the aggregator with its live page on ``--port``, and
-a router that sends a workload through the aggregator's ``/v1/route``. At the end it
-checks that nothing was lost and that the aggregator's index equals every engine's
-cache, prints a summary and writes it as JSON. Exit status 1 if anything was lost or
-mismatched, 130 on Ctrl-C (every child process is stopped either way).
+publishing KV events like vLLM) and the aggregator with its live page on ``--port``,
+then sends a workload through them:
+
+* ``--policy gateway`` (the default): the engines serve OpenAI requests on an HTTP
+  port each and the aggregator is their gateway; the demo sends every request as an
+  OpenAI client would (``POST /v1/completions``, streamed) to the aggregator, which
+  routes it by its index and the engines' load (:mod:`kvevents.demo.openai_client`);
+* ``--policy kv|round_robin|least_loaded``: the demo routes each request itself
+  (``kv`` through the aggregator's ``/v1/route``) and submits it over the engines' RPC
+  (:mod:`kvevents.demo.driver`). ``--engine vllm`` (in-process vLLM engines, RPC only)
+  runs this way: it gets the gateway with a ``vllm serve`` fleet, which is separate work.
+
+At the end it drains the engines, checks that nothing was lost and that the
+aggregator's index equals every engine's cache, prints a summary and writes it as
+JSON. Exit status 1 if anything was lost or mismatched or a request failed, 130 on
+Ctrl-C (every child process is stopped either way).
 """
 
 from __future__ import annotations
@@ -42,14 +53,42 @@ def write_targets(path: str, fleet: Fleet) -> None:
 
 
 def print_summary(s: dict) -> None:
+    gateway = s["policy"] == "gateway"
+    hit = s["hit_tokens"]
+    hit_total = hit.get("total", (hit.get("GPU") or 0) + (hit.get("CPU") or 0))
+    hit_rate = f"({hit_total / max(s['prompt_tokens'], 1):.1%})"
+    if "total" in hit:
+        hits = ("hit tokens (engine-reported, no GPU/CPU split)", f"{hit_total:,} {hit_rate}")
+    elif gateway:
+        hits = ("hit tokens GPU / CPU (engine /metrics)", f"{hit['GPU']:,} / {hit['CPU']:,} {hit_rate}")
+    else:
+        hits = ("hit tokens GPU / CPU", f"{hit['GPU']:,} / {hit['CPU']:,} {hit_rate}")
+    if gateway:
+        ttft = "TTFT p50 / p99 (wall, client via gateway)"
+    else:
+        ttft = "TTFT p50 / p99 " + ("(wall)" if s.get("engine") == "vllm" else "(simulated)")
     rows = [
         ("engines / policy / CPU tier", f"{s['engines']} / {s['policy']} / {'on' if s['cpu_tier'] else 'off'}"),
         ("requests (per engine)", f"{s['requests']} ({', '.join(map(str, s['requests_per_engine'].values()))})"),
+    ]
+    if gateway:
+        failures = ", ".join(f"{n} {why}" for why, n in s["failures"].items())
+        rows.append(("failed requests", f"{s['failed_requests']}" + (f" ({failures})" if failures else "")))
+    rows += [
         ("prompt tokens", f"{s['prompt_tokens']:,}"),
-        ("hit tokens GPU / CPU", f"{s['hit_tokens']['GPU']:,} / {s['hit_tokens']['CPU']:,}"
-                                 f" ({(s['hit_tokens']['GPU'] + s['hit_tokens']['CPU']) / max(s['prompt_tokens'], 1):.1%})"),
+        hits,
         ("prefill tokens computed", f"{s['computed_prefill_tokens']:,}"),
-        ("TTFT p50 / p99 " + ("(wall)" if s.get("engine") == "vllm" else "(simulated)"), f"{s['ttft_seconds']['p50']:.3f} s / {s['ttft_seconds']['p99']:.3f} s"),
+        (ttft, f"{s['ttft_seconds']['p50']:.3f} s / {s['ttft_seconds']['p99']:.3f} s"),
+    ]
+    if gateway:
+        g = s["gateway"]
+        ratio = g["predicted_over_reported"]
+        rows += [
+            ("e2e p50 / p99 (wall, client via gateway)", f"{s['e2e_seconds']['p50']:.3f} s / {s['e2e_seconds']['p99']:.3f} s"),
+            ("gateway predicted / reported cached", f"{g['predicted_cached_tokens']:,} / {g['reported_cached_tokens']:,}"
+                                                    + (f" ({ratio:.2f}x)" if ratio is not None else " (no reports)")),
+        ]
+    rows += [
         ("offload stored / loaded", f"{s['offload']['stored_bytes'] / 1e6:,.1f} MB @ {s['offload']['store_gbps']:.2f} GB/s"
                                     f" / {s['offload']['loaded_bytes'] / 1e6:,.1f} MB @ {s['offload']['load_gbps']:.2f} GB/s"),
         ("KV blocks verified / mismatched", "n/a (vLLM keeps no byte check)" if s.get("engine") == "vllm"
@@ -75,6 +114,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from kvevents.demo.driver import Driver
     from kvevents.demo.fleet import Fleet
+    from kvevents.demo.openai_client import MODEL, GatewayDriver, gateway_ready
 
     from kvevents.demo.args import resolve_defaults
 
@@ -101,9 +141,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
         print("making a tiny random Llama model (no model hub) ...", flush=True)
         vllm_model = str(make_tiny_model(os.path.join(log_dir, "tiny-llama")))
+    gateway = args.policy == "gateway"  # check_arguments: simulated engines only
     fleet = Fleet(args.engines, args.port, not args.no_cpu_tier, gpu_blocks=gpu_blocks,
                   cpu_blocks=args.cpu_blocks, offloaded_block_size=args.offloaded_block_size,
-                  log_dir=log_dir, vllm_model=vllm_model)
+                  log_dir=log_dir, vllm_model=vllm_model, openai_model=MODEL if gateway else None)
     driver = None
     try:
         print(f"starting {args.engines} engines and the aggregator (logs in {log_dir}) ...", flush=True)
@@ -121,11 +162,24 @@ def run_demo(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 raise RuntimeError("the aggregator did not start")
             time.sleep(0.2)
+        if gateway:  # its first requests must find every engine followed and reachable
+            deadline = time.monotonic() + 60
+            while not gateway_ready(url, args.engines):
+                fleet.check_alive()
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the gateway did not see every engine (see /v1/engines)")
+                time.sleep(0.2)
         print(f"live page: {url}/   (API docs: {url}/docs, metrics: {url}/metrics)", flush=True)
         if args.prometheus_targets:
             write_targets(args.prometheus_targets, fleet)
-        print(f"routing {len(requests)} requests with policy {args.policy!r} over ~{wall:.0f} s", flush=True)
-        driver = Driver(fleet, requests, args.policy, wall, progress=not args.no_progress)
+        if gateway:
+            print(f"sending {len(requests)} OpenAI requests through the gateway {url}/v1/completions "
+                  f"over ~{wall:.0f} s ({args.clients} clients at most)", flush=True)
+            driver = GatewayDriver(fleet, requests, wall, progress=not args.no_progress,
+                                   clients=args.clients)
+        else:
+            print(f"routing {len(requests)} requests with policy {args.policy!r} over ~{wall:.0f} s", flush=True)
+            driver = Driver(fleet, requests, args.policy, wall, progress=not args.no_progress)
         elapsed = driver.run()
         print("waiting for the event stream to quiesce ...", flush=True)
         drained = driver.quiesce()
@@ -142,9 +196,11 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"note: {summary['rejected_requests']} requests were longer than an engine's "
                   "KV cache and were rejected (raise --gpu-blocks)")
         ok = (summary["events"]["lost"] == 0 and summary["index_mismatches"] == 0
-              and summary["kv_mismatches"] == 0 and summary["events"]["dropped_at_publish"] == 0)
-        print("OK: nothing lost, the index equals every engine's cache" if ok
-              else "FAILED: something was lost or mismatched (see above)")
+              and summary["kv_mismatches"] == 0 and summary["events"]["dropped_at_publish"] == 0
+              and summary["failed_requests"] == 0)
+        served = (f"{summary['requests']} requests served through the gateway, " if gateway else "")
+        print(f"OK: {served}nothing lost, the index equals every engine's cache" if ok
+              else "FAILED: something was lost or mismatched, or a request failed (see above)")
         return 0 if ok else 1
     except KeyboardInterrupt:
         print("\ninterrupted; stopping every process", file=sys.stderr)

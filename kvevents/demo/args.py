@@ -13,15 +13,21 @@ import re
 
 from kvevents.defaults import DEFAULT_PORT
 
-POLICIES = ["kv", "round_robin", "least_loaded"]
+POLICIES = ["kv", "round_robin", "least_loaded"]  # the router loop's (demo and loadgen)
+# The demo's: "gateway" sends OpenAI requests through the aggregator's gateway, which
+# routes them (simulated engines only); the others route in the demo, over engine RPC.
+DEMO_POLICIES = ["gateway", *POLICIES]
 
 
 ENGINES = ["sim", "vllm"]
 # Defaults that differ with --engine: the simulated engine, then a real vLLM CPU engine
 # (a tiny model: small prompts, few requests, a few dozen 32-token blocks).
 ENGINE_DEFAULTS = {
-    "sim": {"requests": 240, "cpu_blocks": 4096, "offloaded_block_size": 64},
-    "vllm": {"requests": 40, "cpu_blocks": 256, "offloaded_block_size": 32, "gpu_blocks": 20},
+    "sim": {"requests": 240, "cpu_blocks": 4096, "offloaded_block_size": 64, "policy": "gateway"},
+    # No gateway in front of in-process vLLM engines yet (they take requests over RPC
+    # only); it comes with a `vllm serve` fleet.
+    "vllm": {"requests": 40, "cpu_blocks": 256, "offloaded_block_size": 32, "gpu_blocks": 20,
+             "policy": "kv"},
 }
 
 
@@ -32,8 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with our connector, a tiny local model (needs the vllm extra; slow to start)")
     p.add_argument("--duration", type=float, default=40.0,
                    help="wall-clock seconds over which the workload's arrivals are spread")
-    p.add_argument("--policy", choices=POLICIES, default="kv",
-                   help="how the router picks an engine (kv asks the aggregator's /v1/route)")
+    p.add_argument("--policy", choices=DEMO_POLICIES, default=None,
+                   help="gateway (default with --engine sim): send each request as an OpenAI "
+                        "client to the aggregator's gateway (POST /v1/completions), which routes "
+                        "it; kv (default with --engine vllm): the demo routes through the "
+                        "aggregator's /v1/route and submits over engine RPC; round_robin, "
+                        "least_loaded: the demo routes locally, over engine RPC")
+    p.add_argument("--clients", type=int, default=64,
+                   help="with --policy gateway: OpenAI requests in flight at most")
     p.add_argument("--no-cpu-tier", action="store_true", help="engines without the CPU tier")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="aggregator HTTP port (live page at /)")
@@ -86,12 +98,15 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     Fills the ``--engine``-dependent defaults first."""
     resolve_defaults(args)
     out = _positive(args, ["engines", "duration", "requests", "max_requests", "time_scale",
-                           "gpu_blocks", "offloaded_block_size"])
+                           "gpu_blocks", "offloaded_block_size", "clients"])
     if args.cpu_blocks < 0:
         out.append(f"--cpu-blocks {args.cpu_blocks}: must be >= 0 (0: no CPU tier)")
     if not 0 < args.port < 65536:
         out.append(f"--port {args.port}: must be 1-65535")
     if args.engine == "vllm":
+        if args.policy == "gateway":
+            out.append("--policy gateway: not with --engine vllm yet (its in-process engines "
+                       "take requests over RPC only); use --policy kv, round_robin or least_loaded")
         if args.trace:
             out.append("--trace: not with --engine vllm (its tiny model takes 512-token prompts; "
                        "the built-in workload is scaled to it)")

@@ -1,4 +1,12 @@
-"""The demo's router loop, live progress, quiesce, exactness check and summary.
+"""The demo's router loop over engine RPC, live progress, quiesce, exactness check and
+summary.
+
+This is the demo's mode for ``--policy kv|round_robin|least_loaded`` (and for
+``--engine vllm``, whose in-process engines take requests over RPC only; a ``vllm
+serve`` fleet behind the gateway is separate work) and ``kvevents loadgen``'s loop. The
+default with simulated engines, ``--policy gateway``, sends OpenAI requests through the
+aggregator's gateway instead (:mod:`kvevents.demo.openai_client`, a subclass that keeps
+this module's end of the run).
 
 Routing: every request is routed at its arrival by the chosen policy. ``kv`` asks the
 aggregator's ``POST /v1/route`` (over HTTP, as a production router would) with each
@@ -155,10 +163,8 @@ class Driver:
         return time.monotonic() - t0
 
     def show_progress(self, total: int, force: bool) -> None:
-        now = time.monotonic()
-        if not self.progress or (not force and now - self._last_progress < 0.5):
+        if not self.progress_due(force):
             return
-        self._last_progress = now
         outs = [o for o in self.state.outcomes.values() if o.finish is not None]
         prompt = sum(o.prompt_tokens for o in outs) or 1
         gpu = sum(o.gpu_hit for o in outs) / prompt
@@ -167,15 +173,30 @@ class Driver:
             engines = self.http.get("/v1/engines", timeout=2).json()["engines"]
         except (httpx.HTTPError, ValueError):
             engines = []
+        self.print_progress(self.state.done, total, f"hit GPU {gpu:5.1%} CPU {cpu:5.1%}", engines, force)
+
+    def progress_due(self, force: bool) -> bool:
+        """Whether to show the progress line now (at most every 0.5 s unless forced)."""
+        now = time.monotonic()
+        if not self.progress or (not force and now - self._last_progress < 0.5):
+            return False
+        self._last_progress = now
+        return True
+
+    def print_progress(self, done: int, total: int, hits: str, engines: list[dict],
+                       force: bool) -> None:
+        """One progress line: requests done, ``hits``, and the aggregator's batch rate and
+        lag from its ``GET /v1/engines`` answer ``engines``."""
+        now = time.monotonic()
         batches = sum(p["batches"] for p in engines)
         t_prev, b_prev = self._last_batches
         rate = (batches - b_prev) / max(now - t_prev, 1e-6)
         self._last_batches = (now, batches)
         lag = max((p["lag_seconds"] or 0.0) for p in engines) if engines else 0.0
         width = 24
-        filled = int(width * self.state.done / max(total, 1))
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.state.done}/{total} requests"
-                f" | hit GPU {gpu:5.1%} CPU {cpu:5.1%} | {rate:6.0f} batches/s"
+        filled = int(width * done / max(total, 1))
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests"
+                f" | {hits} | {rate:6.0f} batches/s"
                 f" | last batch {lag * 1000:6.0f} ms ago")
         if sys.stderr.isatty():
             print("\r" + line, end="", file=sys.stderr, flush=True)
@@ -217,25 +238,40 @@ class Driver:
         rejected = [o for o in self.state.outcomes.values() if o.rejected]
         outs = [o for o in self.state.outcomes.values() if not o.rejected]
         ttft = np.array([o.ttft for o in outs if o.finish is not None] or [0.0])
+        per_engine = {e.name: 0 for e in self.fleet.engines}
+        for o in outs:
+            per_engine[o.engine] += 1
+        counts = list(per_engine.values())
+        fleet = self.fleet_summary(drained, mismatches, wall, cpu_tier)
+        return {
+            **{k: fleet.pop(k) for k in ("engines", "policy", "cpu_tier")},
+            "requests": len(outs),
+            "failed_requests": 0,  # over RPC a request is done or rejected, never lost
+            "rejected_requests": len(rejected),
+            "prompt_tokens": sum(o.prompt_tokens for o in outs),
+            "hit_tokens": {"GPU": sum(o.gpu_hit for o in outs), "CPU": sum(o.cpu_hit for o in outs)},
+            "hit_tokens_source": "engine replies",
+            "computed_prefill_tokens": sum(o.computed for o in outs),
+            "ttft_seconds": {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99))},
+            "requests_per_engine": per_engine,
+            "load_balance_max_over_min": max(counts) / max(min(counts), 1),
+            "route_errors": self.state.route_errors,
+            **fleet,
+        }
+
+    def fleet_summary(self, drained: dict[str, dict], mismatches: dict[str, dict[str, int]],
+                      wall: float, cpu_tier: bool) -> dict[str, Any]:
+        """The summary's parts that do not depend on how requests were sent: offload,
+        byte checks and events (from the drain), the index comparison, wall time."""
         stored_b = sum(d["offload"].get("stored_bytes", 0) for d in drained.values())
         loaded_b = sum(d["offload"].get("loaded_bytes", 0) for d in drained.values())
         stored_s = sum(d["offload"].get("stored_seconds", 0.0) for d in drained.values())
         loaded_s = sum(d["offload"].get("loaded_seconds", 0.0) for d in drained.values())
         engines = self.http.get("/v1/engines").json()["engines"]
-        per_engine = {e.name: 0 for e in self.fleet.engines}
-        for o in outs:
-            per_engine[o.engine] += 1
-        counts = list(per_engine.values())
         return {
             "engines": len(self.fleet.engines),
             "policy": self.policy,
             "cpu_tier": cpu_tier,
-            "requests": len(outs),
-            "rejected_requests": len(rejected),
-            "prompt_tokens": sum(o.prompt_tokens for o in outs),
-            "hit_tokens": {"GPU": sum(o.gpu_hit for o in outs), "CPU": sum(o.cpu_hit for o in outs)},
-            "computed_prefill_tokens": sum(o.computed for o in outs),
-            "ttft_seconds": {"p50": float(np.percentile(ttft, 50)), "p99": float(np.percentile(ttft, 99))},
             "offload": {
                 "stored_bytes": stored_b, "loaded_bytes": loaded_b,
                 "store_gbps": stored_b / stored_s / 1e9 if stored_s else 0.0,
@@ -254,9 +290,6 @@ class Driver:
             "index_mismatches": sum(sum(v.values()) for v in mismatches.values()),
             "index_mismatches_by_engine": mismatches,
             "index_blocks_compared_by_engine": self.compared_blocks,
-            "requests_per_engine": per_engine,
-            "load_balance_max_over_min": max(counts) / max(min(counts), 1),
-            "route_errors": self.state.route_errors,
             "wall_seconds": round(wall, 2),
         }
 

@@ -67,6 +67,7 @@ class EnginePorts:
     replay: int
     rpc: int
     metrics: int
+    http: int = 0  # its OpenAI server (0: none)
 
 
 class EngineClient:
@@ -126,9 +127,14 @@ class Fleet:
 
     def __init__(self, n_engines: int, port: int, cpu_tier: bool, *, gpu_blocks: int,
                  cpu_blocks: int, offloaded_block_size: int, log_dir: str,
-                 vllm_model: str | None = None) -> None:
+                 vllm_model: str | None = None, openai_model: str | None = None,
+                 tokenizer: str | None = None) -> None:
         """``vllm_model``: a model directory; the engines are then real vLLM engines
-        (``python -m kvevents.demo.vllm_engine``) instead of simulated ones."""
+        (``python -m kvevents.demo.vllm_engine``) instead of simulated ones.
+        ``openai_model``: simulated engines serve OpenAI requests for this model name
+        on an HTTP port each (``EnginePorts.http``), and the aggregator is their gateway
+        (its ``/v1/chat/completions`` and ``/v1/completions``); ``tokenizer``: a tokenizer
+        directory for text prompts, given to the engines and the gateway."""
         self.procs: dict[str, subprocess.Popen] = {}
         self.ctx = zmq.Context.instance()
         self.engines: list[EngineClient] = []
@@ -152,7 +158,8 @@ class Fleet:
                                         "VLLM_HOST_IP": "127.0.0.1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
                 self.engines.append(EngineClient(self.ctx, name, ports))
                 continue
-            ports = EnginePorts(free_port(), free_port(), free_port(), free_port())
+            ports = EnginePorts(free_port(), free_port(), free_port(), free_port(),
+                                free_port() if openai_model else 0)
             cmd = [sys.executable, "-m", "kvevents.sim.process", "--name", name,
                    "--bind", "127.0.0.1", "--events-port", str(ports.events),
                    "--replay-port", str(ports.replay), "--rpc-port", str(ports.rpc),
@@ -160,6 +167,9 @@ class Fleet:
                    "--gpu-blocks", str(gpu_blocks),
                    "--cpu-blocks", str(cpu_blocks if cpu_tier else 0),
                    "--offloaded-block-size", str(offloaded_block_size)]
+            if openai_model:
+                cmd += ["--http-port", str(ports.http), "--model", openai_model]
+                cmd += ["--tokenizer", tokenizer] if tokenizer else []
             self._spawn(name, cmd, env)
             self.engines.append(EngineClient(self.ctx, name, ports))
         # The aggregator keeps snapshots next to the logs: restarted, it resumes.
@@ -168,8 +178,12 @@ class Fleet:
         # vLLM's publisher connects to an explicit address: the aggregator binds there.
         bind = ",bind=1" if vllm_model is not None else ""
         for e in self.engines:
+            http = (f",model={openai_model},http=http://127.0.0.1:{e.ports.http}"
+                    if e.ports.http else "")
             cmd += ["--endpoint", f"{e.name}=tcp://127.0.0.1:{e.ports.events},"
-                                  f"replay=tcp://127.0.0.1:{e.ports.replay}{bind}"]
+                                  f"replay=tcp://127.0.0.1:{e.ports.replay}{bind}{http}"]
+        if tokenizer and openai_model:
+            cmd += ["--tokenizer", f"{openai_model}={tokenizer}"]
         self._spawn("aggregator", cmd, env)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:

@@ -5,10 +5,21 @@
 embeddings and projections, ones for the RMS norms, as transformers initialises a
 Llama. No torch here (``kvevents`` never imports it): the weights are rounded to bf16
 with integer ops and the safetensors file (an 8-byte header length, a JSON header, the
-raw little-endian tensors) is written directly. Prompts are token ids, so no tokenizer is
-needed (the engine runs with ``skip_tokenizer_init``). Deterministic: the same seed gives
-the same bytes, so two engines given the directory compute the same thing. An existing
+raw little-endian tensors) is written directly. Deterministic: the same seed gives the
+same bytes, so two engines given the directory compute the same thing. An existing
 ``config.json`` in ``path`` is taken as a finished model and left alone.
+
+Without a tokenizer, prompts are token ids (the engine runs with ``skip_tokenizer_init``).
+``make_tiny_tokenizer(dir)`` (or ``make_tiny_model(dir, tokenizer=True)``) adds one, so
+``vllm serve DIR`` takes text and chat and ``kvevents serve --tokenizer M=DIR`` computes
+the same ids: a byte-level BPE (GPT-2 style) trained with ``tokenizers`` on a fixed
+built-in text to exactly :data:`VOCAB` ids (every id the model can emit decodes), Llama's
+special ids (``<unk>`` 0, ``<s>`` 1 = BOS added by the post-processor, ``</s>`` 2 = EOS,
+as ``LlamaConfig`` says) plus the chat markers ``<|im_start|>`` / ``<|im_end|>``, saved
+by ``transformers`` as a Hugging Face tokenizer directory (``tokenizer.json``,
+``tokenizer_config.json`` with a ChatML-like ``chat_template``). Training is
+deterministic: the same files every time. An existing ``tokenizer_config.json`` is
+taken as a finished tokenizer (it is written last) and left alone.
 """
 
 from __future__ import annotations
@@ -22,6 +33,11 @@ import numpy as np
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 1024, 256, 512, 2, 4, 2
 INIT_STD = 0.02
+# Model shapes by name: (hidden, intermediate, layers, heads, kv_heads); the vocabulary is
+# the tokenizer's. "tiny" (the default, 1.7M parameters) is the tests' model; "small"
+# (13.6M parameters) makes prefill dominate a request's time on CPU, for benchmarks
+# (benchmarks/bench_gateway.py). Each size needs its own directory.
+SIZES = {"tiny": (HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS), "small": (512, 1536, 4, 8, 4)}
 
 
 def _bf16_bytes(x: np.ndarray) -> bytes:
@@ -31,8 +47,9 @@ def _bf16_bytes(x: np.ndarray) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
-def _tensors(seed: int) -> dict[str, np.ndarray]:
+def _tensors(seed: int, size: str = "tiny") -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
+    HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = SIZES[size]  # noqa: N806 (shadows the defaults)
     head_dim = HIDDEN // HEADS
 
     def normal(*shape: int) -> np.ndarray:
@@ -74,17 +91,24 @@ def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)  # never leave a truncated weights file under the final name
 
 
-def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
+def make_tiny_model(path: str | Path, seed: int = 0, tokenizer: bool = False, size: str = "tiny") -> Path:
+    """The model in ``path`` (made if missing); ``tokenizer``: with its tokenizer too;
+    ``size``: a key of :data:`SIZES` (an existing model in ``path`` is kept whatever its size)."""
     from transformers import LlamaConfig
 
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    hidden, intermediate, layers, heads, kv_heads = SIZES[size]
     path = Path(path)
+    if tokenizer:
+        make_tiny_tokenizer(path)
     if (path / "config.json").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(path / "model.safetensors", _tensors(seed))
+    _write_safetensors(path / "model.safetensors", _tensors(seed, size))
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4096,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
         initializer_range=INIT_STD, tie_word_embeddings=False,
     )
     cfg.architectures = ["LlamaForCausalLM"]
@@ -93,7 +117,83 @@ def make_tiny_model(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0..4, Llama's first three
+# ChatML-like: BOS, each turn between <|im_start|>ROLE and <|im_end|>, the generation prompt;
+# list contents give their text parts; an unknown role is refused.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] is not none %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TEXT = """\
+The cache holds key and value tensors for every token the model has already seen.
+When two requests share a prefix, the engine can reuse those blocks instead of
+recomputing them. A router that knows where each prefix lives sends a conversation
+back to the engine that still holds it: the answer starts sooner and costs less.
+You are a helpful assistant. Hello! How are you today? Tell me a story about a cat.
+def add(a, b):
+    return a + b  # 0 1 2 3 4 5 6 7 8 9 10 100 1000
+"""
+_SYLLABLES = ["ka", "ve", "ti", "lo", "ru", "sen", "dor", "mi", "pa", "qua",
+              "zel", "no", "bri", "fu", "gat", "he", "jo", "lix", "mur", "ost"]
+
+
+def _corpus() -> list[str]:
+    """The fixed training text: prose, then made-up words and numbers enough for
+    :data:`VOCAB` ids."""
+    words = [a + b for a in _SYLLABLES for b in _SYLLABLES]
+    lines = [" ".join(words[i:i + 20]) + ".\n" for i in range(0, len(words), 20)]
+    return [_TEXT, *lines, " ".join(str(n) for n in range(0, 1000, 7))] * 4
+
+
+def make_tiny_tokenizer(path: str | Path) -> Path:
+    """Write the tiny model's tokenizer into ``path`` (see the module docstring)."""
+    import shutil
+    import tempfile
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "tokenizer_config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} ids, not {VOCAB}")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", SPECIALS.index("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", additional_special_tokens=SPECIALS[3:])
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        fast.save_pretrained(tmp)
+        (Path(tmp) / "chat_template.jinja").unlink(missing_ok=True)  # the template goes in the config
+        config_path = Path(tmp) / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["chat_template"] = CHAT_TEMPLATE
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer_config.json"):
+            shutil.move(str(f), path / f.name)  # tokenizer_config.json last: it marks a finished one
+    return path
+
+
 if __name__ == "__main__":
     import sys
 
-    print(make_tiny_model(sys.argv[1]))
+    size = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--size=")), "tiny")
+    print(make_tiny_model(sys.argv[1], tokenizer="--tokenizer" in sys.argv[2:], size=size))

@@ -183,6 +183,7 @@ class EngineRegistry:
             "endpoint": spec.endpoint,
             "replay_endpoint": spec.replay_endpoint,
             "model": spec.model,
+            "http": spec.http,
             "status": "replaying" if st.replaying else self.status(st, now),
             "replay_gap": ({"from_seq": st.replay_from, "held_from_seq": st.replay_until,
                             "held_bytes": st.pending_bytes} if st.replaying else None),

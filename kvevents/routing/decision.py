@@ -18,8 +18,9 @@ else that routes in the same process.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+from kvevents.index import LookupResult
 from kvevents.routing.offloop import lookup
 from kvevents.routing.policies import Candidate, EngineLoad, KVAwarePolicy, RouteDecision, without_engines
 from kvevents.service.aggregator import Aggregator
@@ -37,12 +38,15 @@ class Router:
     def candidates(self, requested: Sequence[tuple[str, EngineLoad]] | None) -> list[Candidate]:
         """``requested`` as candidates, each an engine followed and named once; None:
         every engine not down (all of them when all are down), with no load."""
-        known = {e["name"]: e["status"] for e in self.aggregator.engine_statuses()}
+        agg = self.aggregator
+        names = [spec.name for spec in agg.engine_specs()]  # no index access: cheap
         if requested is None:
-            engines = [name for name, status in known.items() if status != "down"] or list(known)
+            down = agg.down_engines()
+            engines = [name for name in names if name not in down] or names
             if not engines:
                 raise InputError(422, "the aggregator follows no engines; pass candidates", "candidates")
             return [Candidate(name) for name in engines]
+        known = set(names)
         if not requested:
             raise InputError(422, "candidates must not be empty", "candidates")
         out, seen = [], set()
@@ -59,8 +63,20 @@ class Router:
                      lora_name: str | None = None,
                      requested: Sequence[tuple[str, EngineLoad]] | None = None) -> RouteDecision:
         """The engine for this prompt. Raises :class:`InputError` for bad candidates."""
+        return await self.choose(token_ids, model, lora_name, self.candidates(requested))
+
+    async def choose(self, token_ids: Sequence[int] | None, model: str | None,
+                     lora_name: str | None, candidates: Sequence[Candidate],
+                     down: Collection[str] = ()) -> RouteDecision:
+        """The policy's choice among ``candidates`` (already checked). ``token_ids`` None:
+        no cache signal (load alone). Engines down now, or in ``down``, are chosen only
+        when every candidate is."""
         agg = self.aggregator
-        candidates = self.candidates(requested)
-        result = without_engines(await lookup(agg, token_ids, model, lora_name, "route"),
-                                 agg.unroutable_engines())
-        return self.policy.choose(token_ids, result, candidates, down=agg.down_engines())
+        if token_ids is None:
+            result = LookupResult(0, 0, [], model, lora_name)
+            ids: Sequence[int] = ()
+        else:
+            result = without_engines(await lookup(agg, token_ids, model, lora_name, "route"),
+                                     agg.unroutable_engines())
+            ids = token_ids
+        return self.policy.choose(ids, result, candidates, down=agg.down_engines() | set(down))

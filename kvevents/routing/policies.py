@@ -81,6 +81,7 @@ class RouteDecision:
     tiers: dict[str, int]
     scores: list[EngineScore]
     reason: str
+    block_size: int = 0  # of the lookup's best match (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,12 @@ class KVAwarePolicy:
         if best.engine not in down and any(s.engine in down for s in scores):
             reason += f"; skipped down: {', '.join(sorted(s.engine for s in scores if s.engine in down))}"
         scores.sort(key=lambda s: -s.score)
-        return RouteDecision(best.engine, best.matched_tokens, best.tiers, scores, reason)
+        return RouteDecision(best.engine, best.matched_tokens, best.tiers, scores, reason,
+                             lookup.block_size)
 
     @staticmethod
     def _affinity(token_ids: Sequence[int], candidates: Sequence[Candidate],
-                  matches: dict) -> str:
+                  matches: dict) -> str | None:
         """The engine this prompt's *distinctive* part hashes to (rendezvous hashing).
 
         The part every candidate already caches (a shared system prompt) says nothing;
@@ -165,7 +167,10 @@ class KVAwarePolicy:
         stable share of conversations and its cache holds them longer.
         """
         common = min((matches[c.engine].tokens if c.engine in matches else 0) for c in candidates)
-        key = ",".join(map(str, token_ids[common:common + 64])).encode()
+        distinctive = token_ids[common:common + 64]
+        if not len(distinctive):  # nothing distinctive (or no ids at all): no affinity
+            return None
+        key = ",".join(map(str, distinctive)).encode()
         return max(candidates, key=lambda c: hashlib.blake2b(
             key + b"|" + c.engine.encode(), digest_size=8).digest()).engine
 

@@ -200,6 +200,17 @@ class AggregatorSettings(BaseSettings):
         description="engines allowed (none: the socket and file budget decides)")
     ingest_stuck_after_s: float = Field(10.0, gt=0, description="heartbeat age at which "
                                                                 "/healthz reports ingest stuck")
+    # The OpenAI gateway (engines with an http URL): its bearer token, how long a request
+    # may go without an answer, requests in flight before 503, and how often each engine's
+    # /metrics is read for its load.
+    api_key: str | None = Field(None, description="bearer token required on the OpenAI endpoints "
+                                                  "(/v1/chat/completions, /v1/completions, /v1/models)")
+    request_timeout_s: float = Field(600.0, gt=0, description="seconds a proxied request may wait "
+                                                              "for (more of) its answer")
+    max_inflight: int = Field(1024, ge=1, description="proxied requests in flight before the "
+                                                      "gateway answers 503")
+    engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
+                                                                 "engine's /metrics (its load)")
 
     @field_validator("tokenizers", mode="before")
     @classmethod

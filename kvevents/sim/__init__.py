@@ -7,7 +7,8 @@ tensors are allocated, written and checked by the connector side: ``KVCacheLayou
 
 Modules: ``hashing`` (block hash chain), ``request``, ``block_pool`` (GPU prefix cache +
 GPU events), ``scheduler`` (token-budget continuous batching), ``config`` (EngineConfig,
-TimeModel), ``engine`` (PagedEngine: the step loop), ``metrics``, ``rpc``, ``process``.
+TimeModel), ``engine`` (PagedEngine: the step loop), ``metrics``, ``rpc``, ``process``,
+``openai_front`` (the process's optional OpenAI-compatible HTTP front).
 """
 
 from kvevents.sim.config import EngineConfig, TimeModel

@@ -10,6 +10,12 @@ What it does, like an inference server would:
   ROUTER on ``replay-port`` — exactly what a vLLM engine started with
   ``--kv-events-config`` exposes, so any aggregator can follow it;
 * serves ``/metrics`` on ``metrics-port`` (see :mod:`kvevents.sim.metrics`);
+* with ``--http-port`` (0, the default: off), an OpenAI-compatible HTTP front like
+  ``vllm serve``'s (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+  ``/tokenize``, ``/health``, ``/metrics``) serving ``--model`` (default ``sim``, the
+  same on every engine so a gateway can route one model across a fleet); text prompts
+  and chat need ``--tokenizer DIR`` (a Hugging Face tokenizer directory). It submits
+  over this same RPC (see :mod:`kvevents.sim.openai_front`);
 * takes requests on a ROUTER socket (``rpc-port``; clients use DEALER) — msgpack maps:
 
   ``{"op": "submit", "id", "token_ids", "max_new_tokens", "arrival"}`` -> later
@@ -38,6 +44,7 @@ from connector.config import OffloadConfig
 from kvevents.sim.config import EngineConfig
 from kvevents.sim.engine import PagedEngine
 from kvevents.sim.metrics import CountingPublisher, EngineMetrics, serve_metrics
+from kvevents.sim.openai_front import DEFAULT_MODEL, RPC_INPROC, OpenAIFront
 from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.sim.rpc import EngineRpc
 
@@ -45,10 +52,14 @@ log = logging.getLogger("kvevents.engine")
 
 
 class EngineServer(EngineRpc):
-    """Owns the engine, its publisher, the RPC socket and the metrics endpoint."""
+    """Owns the engine, its publisher, the RPC socket, the metrics endpoint and the
+    OpenAI front (when ``--http-port`` is set)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, tokenizer: Any = None) -> None:
         self.name = args.name
+        # Bound first: a taken port fails the process before any engine thread exists.
+        self.front = OpenAIFront(args.http_addr, args.http_port, args.model or DEFAULT_MODEL,
+                                 tokenizer, args.tokenizer) if args.http_port else None
         self.publisher = CountingPublisher(ZmqEventPublisher(PublisherConfig(
             endpoint=f"tcp://{args.bind}:{args.events_port}",
             replay_endpoint=f"tcp://{args.bind}:{args.replay_port}",
@@ -66,11 +77,22 @@ class EngineServer(EngineRpc):
             offload=offload, publisher=self.publisher,
         )
         self.registry = CollectorRegistry()
-        self.metrics = EngineMetrics(self.name, self.engine, self.publisher, self.registry)
+        self.metrics = EngineMetrics(self.name, self.engine, self.publisher, self.registry,
+                                     model_name=args.model or "")
         if args.metrics_port:
             serve_metrics(args.metrics_port, args.metrics_addr, self.registry)
         self._clients: dict[str, bytes] = {}  # request id -> client identity
         super().__init__(f"tcp://{args.bind}:{args.rpc_port}")
+        if self.front is not None:
+            try:
+                self.rpc.bind(RPC_INPROC)
+                self.front.start(self.ctx, self.registry, self.name,
+                                 args.gpu_blocks * self.engine.config.layout.block_size,
+                                 model_label=args.model or "")
+            except BaseException:
+                self.close()
+                self.rpc.close(0)
+                raise
 
     def on_request(self, ident: bytes, op: str, msg: dict[str, Any]) -> bool:
         if op == "submit":
@@ -117,6 +139,8 @@ class EngineServer(EngineRpc):
             self.done(result)
 
     def close(self) -> None:
+        if self.front is not None:
+            self.front.stop()
         self.engine.shutdown()
         self.publisher.shutdown(2.0)
 
@@ -138,12 +162,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens per offloaded block (a multiple of the engine block size)")
     p.add_argument("--eviction-policy", choices=["lru", "arc"], default="lru")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
-    return p.parse_args(argv)
+    p.add_argument("--http-port", type=int, default=0,
+                   help="OpenAI-compatible HTTP front's port; 0 (default) disables it")
+    p.add_argument("--http-addr", default="127.0.0.1", help="its listen address")
+    p.add_argument("--model", default=None,
+                   help=f"served model name (default {DEFAULT_MODEL!r}); also the metrics' "
+                        "model_name label (default empty)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a Hugging Face tokenizer directory: text prompts, chat, /tokenize")
+    args = p.parse_args(argv)
+    if not 0 <= args.http_port <= 65535:
+        p.error("--http-port must be 0-65535")
+    if args.tokenizer is not None and not args.http_port:
+        p.error("--tokenizer needs --http-port")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    server = EngineServer(parse_args(argv))
+    args = parse_args(argv)
+    tokenizer = None
+    try:
+        if args.tokenizer is not None:
+            from kvevents.text import TokenizerRegistry
+            model = args.model or DEFAULT_MODEL
+            tokenizer = TokenizerRegistry.load([(model, args.tokenizer)]).get(model)
+        server = EngineServer(args, tokenizer)
+    except (ValueError, OSError) as exc:  # TokenizerLoadError is a ValueError
+        print(f"kvevents.sim.process: error: {exc}", file=sys.stderr)
+        return 2
     return server.serve_until_signalled(f"READY {server.name}")
 
 

@@ -1,0 +1,728 @@
+"""The gateway against vllm-router: real vLLM OpenAI servers on CPU, a chat workload
+through each router, engine-reported prefix-cache hits, TTFT and the latency each
+router adds.
+
+One fleet of stock vLLM 0.32 CPU OpenAI servers (:mod:`kvevents.demo.vllm_server`) for
+the whole benchmark, each pinned to its own core (``VLLM_CPU_OMP_THREADS_BIND``): the
+"small" random Llama of :mod:`kvevents.demo.tiny_model` (13.6M parameters, so prefill
+dominates a request's time) with its locally trained tokenizer and chat template,
+block size 32, ``--num-gpu-blocks-override 48`` (1,536 tokens of KV per engine), prefix
+caching with ``--prefix-caching-hash-algo sha256_cbor`` and ``PYTHONHASHSEED=0``
+(vllm-router's ``kv_aware`` recomputes the engines' block hashes), KV events on a
+wildcard ``tcp://*:PORT`` endpoint with a replay socket (vLLM's publisher *binds* only
+for a wildcard, which it must with two subscribers: our aggregator and vllm-router),
+``--enable-prompt-tokens-details`` and ``--enable-scale-out`` (vllm-router's
+``cache_aware``/``kv_aware`` tokenize through ``/v1/chat/completions/render``, which
+vLLM serves only then). The engines listen on wildcard sockets, so the benchmark
+re-runs itself inside ``unshare -n`` (only loopback exists there; needs root).
+
+The routers, per round in a rotating order (each run starts from empty caches:
+``POST /reset_prefix_cache`` on every engine once they are idle; a few requests warm
+the engines up before the first round):
+
+* ``ours``: one ``kvevents serve`` for the whole benchmark (connecting to each engine's
+  events at ``tcp://127.0.0.1:PORT``, ``http=`` its OpenAI server, ``--tokenizer``
+  the model's); before each of its runs, its index must show both engines empty (the
+  reset publishes ``AllBlocksCleared``);
+* vllm-router 0.1.17 (the ``bench`` extra) ``round_robin``, ``cache_aware`` and
+  ``kv_aware`` (the last told each engine's event and replay endpoints with
+  ``--kv-event-source URL=tcp://127.0.0.1:PORT``, ``--kv-event-replay-source``,
+  ``--kv-event-block-size 32``, ``--kv-event-model``): a fresh process per run. A run
+  in which vllm-router counts ``vllm_router_kv_routing_inputs_total{result=
+  "preparation_rejected"}`` (its KV-aware inputs silently fell back) is failed.
+
+The workload (deterministic, ``--seed``): shared system prompts (300-600 tokens),
+growing multi-turn conversations (each turn appends the previous answer, written by
+the generator so every router sees the same prompts, and a new user message), and
+users revisiting long documents (~800 tokens) with new questions; up to 1,400 prompt
+tokens, ``max_tokens`` 8-16 (``ignore_eos``), greedy. ``--requests`` streamed chat
+requests (the official ``openai`` client, ``stream_options.include_usage``),
+``--concurrency`` at a time, a conversation's next turn only after its previous one.
+
+Per run: prefix-cache hit tokens as the engines report them (deltas of
+``vllm:prefix_cache_hits_total`` and ``vllm:prefix_cache_queries_total``, summed over
+engines), TTFT p50/p90 (client side, to the first streamed content token), e2e p50,
+requests per engine (deltas of each engine's ``vllm:request_success_total``: the same
+measure for every router), failures (must be 0), and the latency the router adds to a
+one-token chat completion (``max_tokens=1``, a short prompt, ``--latency-probes``
+sequential requests through the router, interleaved with the same directly to the
+engines: p50 and p99 through the router minus directly).
+
+    .venv/bin/pip install -e '.[bench,vllm,text]'   # bench brings vllm-router==0.1.17
+    .venv/bin/python benchmarks/bench_gateway.py --rounds 3 --json benchmarks/results/gateway.json
+    .venv/bin/python benchmarks/bench_gateway.py --smoke      # 1 round, 20 requests: plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import httpx  # noqa: E402
+
+from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"  # the served model name
+ROUTERS = ("ours", "round_robin", "cache_aware", "kv_aware")
+VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
+BLOCKS, MAX_MODEL_LEN = 48, 1504  # KV blocks per engine (x 32 tokens); vLLM keeps one block back: 47 x 32
+MAX_PROMPT = 1400  # prompt tokens at most (MAX_MODEL_LEN minus max_tokens and margin)
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ---- workload ------------------------------------------------------------------------------
+
+
+@dataclass
+class ChatRequest:
+    index: int  # position in the workload's order
+    session: str  # turns of one session are sent one after the other
+    kind: str  # "chat" (a conversation turn) or "doc" (a document question)
+    messages: list[dict]
+    max_tokens: int
+    prompt_tokens: int  # as this generator counts them (rendered template)
+
+
+class _Text:
+    """Deterministic filler text in the tiny tokenizer's own words (~1.1 tokens a word)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        from kvevents.demo.tiny_model import _SYLLABLES
+
+        self.rng = rng
+        self.words = [a + b for a in _SYLLABLES for b in _SYLLABLES]
+
+    def words_for(self, tokens: int) -> int:
+        return max(1, int(tokens / 1.12))
+
+    def text(self, tokens: int) -> str:
+        out = []
+        for i in range(self.words_for(tokens)):
+            w = self.rng.choice(self.words)
+            out.append(w + "." if self.rng.random() < 0.08 else w)
+        return " ".join(out)
+
+
+class _Counter:
+    """Prompt tokens of a message list, rendered with the model's chat template."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def __call__(self, messages: list[dict]) -> int:
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])  # as vLLM renders chat
+
+
+def build_workload(n: int, model_dir: Path, seed: int = 0) -> list[ChatRequest]:
+    """``n`` requests in order (see the module docstring): ~12 sessions active at a time,
+    each turn of a random active one next; a finished session makes room for a new one.
+    Two in three sessions are conversations, one in three a document question."""
+    rng = random.Random(seed)
+    text = _Text(rng)
+    count = _Counter(model_dir)
+    systems = [f"You are assistant {i}. " + text.text(rng.randint(300, 600)) for i in range(4)]
+    sys_weights = [8, 4, 2, 1]  # a few popular system prompts
+    docs = [f"Document {i}.\n" + text.text(rng.randint(720, 880)) for i in range(6)]
+    doc_system = "You answer questions about the document the user gives. " + text.text(40)
+    doc_weights = [6, 4, 3, 2, 1, 1]
+
+    def new_session(k: int) -> dict:
+        if rng.random() < 2 / 3:
+            system = rng.choices(systems, sys_weights)[0]
+            return {"name": f"chat-{k}", "kind": "chat", "turns": rng.randint(3, 7),
+                    "messages": [{"role": "system", "content": system}], "done": 0}
+        return {"name": f"doc-{k}", "kind": "doc", "turns": rng.randint(1, 3),
+                "doc": rng.choices(docs, doc_weights)[0], "done": 0}
+
+    out: list[ChatRequest] = []
+    active: list[dict] = []
+    started = 0
+    while len(out) < n:
+        while len(active) < 12:
+            active.append(new_session(started))
+            started += 1
+        s = rng.choice(active)
+        max_tokens = rng.randint(8, 16)
+        if s["kind"] == "chat":
+            if s["done"]:  # the previous answer, then a new user message
+                s["messages"].append({"role": "assistant", "content": text.text(rng.randint(30, 80))})
+            s["messages"].append({"role": "user", "content": text.text(rng.randint(40, 120))})
+            messages = [dict(m) for m in s["messages"]]
+        else:  # each question a fresh request on the same document (a revisit)
+            messages = [{"role": "system", "content": doc_system},
+                        {"role": "user", "content": s["doc"] + "\n\nQuestion: " + text.text(rng.randint(15, 40))}]
+        tokens = count(messages)
+        if tokens > MAX_PROMPT:  # the conversation would outgrow the context: it ends here
+            active.remove(s)
+            continue
+        out.append(ChatRequest(len(out), s["name"], s["kind"], messages, max_tokens, tokens))
+        s["done"] += 1
+        if s["done"] >= s["turns"]:
+            active.remove(s)
+    return out
+
+
+# ---- the client -----------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    ttft: float | None = None
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    failed: str | None = None
+
+
+async def _one(client, req: ChatRequest) -> Outcome:
+    out = Outcome()
+    t0 = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=req.messages, max_tokens=req.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            if out.ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                out.ttft = time.perf_counter() - t0
+            if chunk.usage is not None:
+                usage = chunk.usage
+        out.e2e = time.perf_counter() - t0
+        if out.ttft is None:
+            out.failed = "no content token"
+        if usage is None:
+            out.failed = out.failed or "no usage chunk"
+        else:
+            out.prompt_tokens = usage.prompt_tokens
+            details = usage.prompt_tokens_details
+            out.cached_tokens = (details.cached_tokens or 0) if details else 0
+    except Exception as exc:  # noqa: BLE001 (every failure is counted by its kind)
+        out.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+async def run_workload(base_url: str, reqs: list[ChatRequest], concurrency: int,
+                       timeout: float) -> list[Outcome]:
+    """Every request, ``concurrency`` at a time, in order, a session's turns one after the
+    other (a turn waits for the previous one to end)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    outcomes: list[Outcome | None] = [None] * len(reqs)
+    pending = list(reqs)
+    busy: set[str] = set()
+    changed = asyncio.Condition()
+
+    async def worker() -> None:
+        while True:
+            async with changed:
+                while True:
+                    if not pending:
+                        return
+                    req = next((r for r in pending if r.session not in busy), None)
+                    if req is not None:
+                        pending.remove(req)
+                        busy.add(req.session)
+                        break
+                    await changed.wait()
+            outcomes[req.index] = await _one(client, req)
+            async with changed:
+                busy.discard(req.session)
+                changed.notify_all()
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    return [o for o in outcomes if o is not None]
+
+
+def probe_latency(router_url: str, engine_urls: list[str], n: int, warmup: int = 3) -> dict:
+    """One-token chat completions, sequential, alternating router / an engine directly."""
+    from openai import OpenAI
+
+    def client(url: str):
+        return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    via, direct = client(router_url), [client(u) for u in engine_urls]
+    msg = [{"role": "user", "content": "Hello! How are you today?"}]
+
+    def once(c) -> float:
+        t0 = time.perf_counter()
+        c.chat.completions.create(model=MODEL, messages=msg, max_tokens=1, temperature=0)
+        return time.perf_counter() - t0
+
+    routed, plain = [], []
+    try:
+        for i in range(warmup + n):
+            d, r = once(direct[i % len(direct)]), once(via)
+            if i >= warmup:
+                plain.append(d)
+                routed.append(r)
+    finally:
+        for c in (via, *direct):
+            c.close()
+    p = {"router_p50_ms": percentile(routed, 50) * 1e3, "router_p99_ms": percentile(routed, 99) * 1e3,
+         "direct_p50_ms": percentile(plain, 50) * 1e3, "direct_p99_ms": percentile(plain, 99) * 1e3}
+    p["added_p50_ms"] = p["router_p50_ms"] - p["direct_p50_ms"]
+    p["added_p99_ms"] = p["router_p99_ms"] - p["direct_p99_ms"]
+    p["probes"] = n
+    return p
+
+
+def warm_up(engine_urls: list[str], reqs: list[ChatRequest]) -> None:
+    """A few requests straight to each engine before the first run (its caches are reset
+    before every run anyway)."""
+    from openai import OpenAI
+
+    for url in engine_urls:
+        with OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            for req in reqs[:2]:
+                c.chat.completions.create(model=MODEL, messages=req.messages, max_tokens=req.max_tokens,
+                                          temperature=0)
+            for _ in range(3):
+                c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
+                                          max_tokens=1, temperature=0)
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except ValueError:
+                    pass
+    return total
+
+
+def metric_samples(text: str, prefix: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+ENGINE_COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
+                   "success": "vllm:request_success_total"}
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {k: metric_sum(text, name) for k, name in ENGINE_COUNTERS.items()}
+
+
+def engine_busy(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return metric_sum(text, "vllm:num_requests_running") + metric_sum(text, "vllm:num_requests_waiting")
+
+
+def wait_until(pred, timeout: float, interval: float = 0.2, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if pred():
+                return
+        except (httpx.HTTPError, OSError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+
+def _stop(proc: subprocess.Popen | None, timeout: float = 15.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+class Ours:
+    """One ``kvevents serve`` (aggregator + gateway) for the whole benchmark."""
+
+    def __init__(self, fleet, events: list[tuple[int, int]], model_dir: Path, workdir: Path) -> None:
+        from kvevents.demo.fleet import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / "kvevents-serve.log"
+        self.cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--tokenizer", f"{MODEL}={model_dir}",
+                    "--log-level", "warning"]
+        self.names = [f"e{i}" for i in range(len(fleet))]
+        for name, server, (live, replay) in zip(self.names, fleet.servers, events):
+            self.cmd += ["--endpoint", f"{name}=tcp://127.0.0.1:{live},replay=tcp://127.0.0.1:{replay},"
+                                       f"model={MODEL},http={server.url}"]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise BenchError(f"kvevents serve exited: {_tail(self.log)}")
+            engines = httpx.get(self.url + "/v1/engines", timeout=5).json()["engines"]
+            return len(engines) == len(self.names) and all(
+                e.get("connected") and e.get("gateway", {}).get("reachable") for e in engines)
+
+        wait_until(ready, 60, what="kvevents serve to follow and reach every engine")
+        time.sleep(2.0)  # its subscriptions reach the publishers (a ZeroMQ SUB joins late)
+
+    def blocks(self) -> dict[str, dict]:
+        return {e["name"]: e.get("blocks") or {}
+                for e in httpx.get(self.url + "/v1/engines", timeout=10).json()["engines"]}
+
+    def wait_index_empty(self, timeout: float = 30.0) -> None:
+        wait_until(lambda: not any(self.blocks().values()), timeout,
+                   what="the aggregator's index to show every engine empty after the cache reset")
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+class VllmRouter:
+    """A fresh ``vllm-router`` process with one policy."""
+
+    def __init__(self, policy: str, fleet, events: list[tuple[int, int]], workdir: Path, tag: str) -> None:
+        from kvevents.demo.fleet import free_port
+
+        exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+        if exe is None:
+            raise BenchError("vllm-router is not installed: pip install -e '.[bench]' (vllm-router==0.1.17)")
+        self.policy = policy
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = workdir / f"vllm-router-{tag}.log"
+        urls = [s.url for s in fleet.servers]
+        self.cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *urls,
+                    "--policy", policy, "--prometheus-host", "127.0.0.1",
+                    "--prometheus-port", str(self.metrics_port), "--worker-startup-check-interval", "1",
+                    "--log-level", "warning"]
+        if policy == "kv_aware":
+            for url, (live, replay) in zip(urls, events):
+                self.cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{live}",
+                             "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
+            self.cmd += ["--kv-event-block-size", "32", "--kv-event-model", MODEL]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> None:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise BenchError(f"vllm-router {self.policy} exited (rc={self.proc.returncode}): {_tail(self.log)}")
+            return (httpx.get(self.url + "/health", timeout=2).status_code == 200
+                    and httpx.get(self.url + "/v1/models", timeout=5).status_code == 200)
+
+        wait_until(ready, timeout, interval=0.3, what=f"vllm-router {self.policy} to be ready")
+        time.sleep(2.0)  # ZeroMQ subscriptions (kv_aware) settle; caches are empty anyway
+
+    def metrics(self) -> str:
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+
+def reset_caches(fleet, ours: Ours | None) -> None:
+    for s in fleet.servers:
+        wait_until(lambda s=s: engine_busy(s.url) == 0, 120, what=f"engine {s.url} to be idle")
+    for s in fleet.servers:  # refused while a block is held: retry
+        wait_until(s.reset_prefix_cache, 30, interval=0.2, what=f"engine {s.url} to reset its prefix cache")
+    if ours is not None:
+        ours.wait_index_empty()
+
+
+def one_run(router: str, rnd: int, fleet, events, ours: Ours | None, reqs: list[ChatRequest],
+            a, workdir: Path) -> dict:
+    urls = [s.url for s in fleet.servers]
+    row: dict = {"round": rnd, "router": router, "requests": len(reqs)}
+    vr = None
+    try:
+        reset_caches(fleet, ours if router == "ours" else None)
+        if router == "ours":
+            assert ours is not None
+            base = ours.url
+            gw_before = ours.metrics()
+        else:
+            vr = VllmRouter(router, fleet, events, workdir, f"{router}-r{rnd}")
+            vr.start()
+            base = vr.url
+        before = [engine_counters(u) for u in urls]
+        t0 = time.perf_counter()
+        outcomes = asyncio.run(run_workload(base, reqs, a.concurrency, a.request_timeout))
+        row["wall_s"] = time.perf_counter() - t0
+        for u in urls:
+            wait_until(lambda u=u: engine_busy(u) == 0, 60, what=f"engine {u} to finish")
+        time.sleep(0.5)  # the engines' counters follow their last outputs
+        after = [engine_counters(u) for u in urls]
+        delta = [{k: b[k] - a_[k] for k in b} for a_, b in zip(before, after)]
+        ok = [o for o in outcomes if o.failed is None]
+        failures: dict[str, int] = {}
+        for o in outcomes:
+            if o.failed:
+                failures[o.failed] = failures.get(o.failed, 0) + 1
+        hits, queries = sum(d["hits"] for d in delta), sum(d["queries"] for d in delta)
+        ttft = [o.ttft for o in ok if o.ttft is not None]
+        e2e = [o.e2e for o in ok if o.e2e is not None]
+        row.update({
+            "failures": sum(failures.values()), "failure_reasons": failures,
+            "hit_tokens": int(hits), "query_tokens": int(queries),
+            "hit_pct": 100 * hits / queries if queries else 0.0,
+            "client_cached_tokens": sum(o.cached_tokens for o in ok),
+            "client_prompt_tokens": sum(o.prompt_tokens for o in ok),
+            "ttft_p50_s": percentile(ttft, 50) if ttft else None,
+            "ttft_p90_s": percentile(ttft, 90) if ttft else None,
+            "e2e_p50_s": percentile(e2e, 50) if e2e else None,
+            "requests_per_engine": [int(d["success"]) for d in delta],
+            "engine_hits": [int(d["hits"]) for d in delta],
+        })
+        if router == "ours":
+            text = ours.metrics()
+            row["gateway"] = {k: metric_sum(text, f"kvevents_gateway_{k}_total") - metric_sum(gw_before, f"kvevents_gateway_{k}_total")
+                              for k in ("predicted_cached_tokens", "reported_cached_tokens", "retries")}
+        else:
+            text = vr.metrics()
+            row["router_kv_metrics"] = metric_samples(text, "vllm_router_kv_")
+            row["policy_decisions"] = metric_samples(text, "vllm_router_policy_decisions_total")
+            rejected = metric_sum(text, "vllm_router_kv_routing_inputs_total", result="preparation_rejected")
+            row["preparation_rejected"] = rejected
+            if rejected:
+                row["invalid"] = (f"vllm_router_kv_routing_inputs_total{{result=\"preparation_rejected\"}} = "
+                                  f"{rejected:g}: its KV-aware inputs fell back")
+        row["latency"] = probe_latency(base, urls, a.latency_probes)
+        if row["failures"]:
+            row["invalid"] = (row.get("invalid", "") + f" {row['failures']} failed requests").strip()
+    except Exception as exc:  # noqa: BLE001 (a router that does not work is reported, not fatal)
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        if vr is not None:
+            row["error"] += "\n" + _tail(vr.log, 1500)
+    finally:
+        if vr is not None:
+            vr.stop()
+    return row
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:,.0f}"
+
+
+def _row(r: dict) -> list:
+    if "error" in r and "latency" not in r:
+        return [r["round"], r["router"], "ERROR", r["error"].splitlines()[0][:90], "", "", "", "", "", ""]
+    lat = r.get("latency") or {}
+    return [r["round"], r["router"], r.get("failures", "-"), f"{r['hit_tokens']:,}",
+            f"{r['hit_pct']:.1f}%", _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["e2e_p50_s"]),
+            "/".join(map(str, r["requests_per_engine"])),
+            f"{lat.get('added_p50_ms', float('nan')):+.2f} / {lat.get('added_p99_ms', float('nan')):+.2f}"
+            + (f"  INVALID: {r['invalid']}" if r.get("invalid") else "")]
+
+
+HEADERS = ["round", "router", "failures", "hit tokens", "hit %", "TTFT p50 ms", "TTFT p90 ms",
+           "e2e p50 ms", "requests/engine", "added p50 / p99 ms"]
+
+
+def summarize(rows: list[dict], routers: list[str]) -> list[dict]:
+    out = []
+    for router in routers:
+        good = [r for r in rows if r["router"] == router and "error" not in r and not r.get("invalid")]
+        if not good:
+            out.append({"router": router, "runs": 0})
+            continue
+        spread = [max(r["requests_per_engine"]) / max(1, min(r["requests_per_engine"])) for r in good]
+        out.append({
+            "router": router, "runs": len(good),
+            "hit_tokens": median([r["hit_tokens"] for r in good]),
+            "hit_pct": median([r["hit_pct"] for r in good]),
+            "ttft_p50_s": median([r["ttft_p50_s"] for r in good]),
+            "ttft_p90_s": median([r["ttft_p90_s"] for r in good]),
+            "e2e_p50_s": median([r["e2e_p50_s"] for r in good]),
+            "max_min_requests": median(spread),
+            "added_p50_ms": median([r["latency"]["added_p50_ms"] for r in good]),
+            "added_p99_ms": median([r["latency"]["added_p99_ms"] for r in good]),
+        })
+    return out
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def inner(a) -> int:
+    from kvevents.demo.fleet import free_port
+    from kvevents.demo.tiny_model import make_tiny_model
+    from kvevents.demo.vllm_server import VllmFleet
+
+    routers = [r.strip() for r in a.routers.split(",") if r.strip()]
+    unknown = set(routers) - set(ROUTERS)
+    if unknown:
+        raise SystemExit(f"unknown routers {sorted(unknown)}; known: {', '.join(ROUTERS)}")
+    workdir = Path(a.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = make_tiny_model(workdir / f"model-{a.model_size}", tokenizer=True, size=a.model_size)
+    reqs = build_workload(a.requests, model_dir, a.seed)
+    prompt_tokens = [r.prompt_tokens for r in reqs]
+    info = machine()
+    info["load_average"] = os.getloadavg()
+    print(f"machine: {info['cpu']}, nproc {info['cores']}, Python {info['python']}, load average "
+          + " ".join(f"{x:.2f}" for x in info["load_average"]))
+    print(f"command: {a.command}")
+    print(f"workload: {len(reqs)} chat requests ({sum(r.kind == 'chat' for r in reqs)} conversation turns, "
+          f"{sum(r.kind == 'doc' for r in reqs)} document questions, {len({r.session for r in reqs})} sessions), "
+          f"{sum(prompt_tokens):,} prompt tokens (p50 {percentile(prompt_tokens, 50)}, max {max(prompt_tokens)}), "
+          f"concurrency {a.concurrency}; engines: {a.engines} x {BLOCKS} blocks x 32 tokens, model {a.model_size}")
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
+    events = [(free_port(), free_port()) for _ in range(a.engines)]
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    fleet = VllmFleet(model_dir, [(f"tcp://*:{live}", f"tcp://*:{replay}") for live, replay in events],
+                      log_dir=run_dir, served_model_name=MODEL, num_gpu_blocks=BLOCKS,
+                      max_model_len=MAX_MODEL_LEN, env=env,
+                      extra_args=["--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor"])
+    ours = None
+    rows: list[dict] = []
+    t_start = time.monotonic()
+    try:
+        fleet.start().wait_ready(a.startup_timeout)
+        print(f"engines ready in {time.monotonic() - t_start:.0f} s: "
+              + ", ".join(f"{s.url} (core {s.env['VLLM_CPU_OMP_THREADS_BIND']})" for s in fleet.servers)
+              + f"; logs in {run_dir}")
+        if "ours" in routers:  # first: it must see the warm-up's events (and the resets) live
+            ours = Ours(fleet, events, model_dir, run_dir)
+            ours.start()
+        warm_up([s.url for s in fleet.servers], reqs)  # the first run must not pay the engines' first steps
+        for rnd in range(a.rounds):
+            k = rnd % len(routers)
+            for router in routers[k:] + routers[:k]:
+                row = one_run(router, rnd, fleet, events, ours, reqs, a, run_dir)
+                rows.append(row)
+                print_table(HEADERS, [_row(row)])
+                sys.stdout.flush()
+    finally:
+        if ours is not None:
+            ours.stop()
+        fleet.stop()
+    print()
+    print("all runs:")
+    print_table(HEADERS, [_row(r) for r in rows])
+    summary = summarize(rows, routers)
+    print()
+    print(f"medians over valid runs ({a.rounds} round(s)):")
+    print_table(["router", "runs", "hit tokens", "hit %", "TTFT p50 ms", "TTFT p90 ms", "e2e p50 ms",
+                 "max/min requests", "added p50 ms", "added p99 ms"],
+                [[s["router"], s["runs"], *(["-"] * 8 if not s["runs"] else [
+                    f"{s['hit_tokens']:,.0f}", f"{s['hit_pct']:.1f}%", _ms(s["ttft_p50_s"]),
+                    _ms(s["ttft_p90_s"]), _ms(s["e2e_p50_s"]), f"{s['max_min_requests']:.2f}",
+                    f"{s['added_p50_ms']:+.2f}", f"{s['added_p99_ms']:+.2f}"])] for s in summary])
+    bad = [r for r in rows if "error" in r or r.get("invalid")]
+    for r in bad:
+        print(f"\nround {r['round']} {r['router']}: {r.get('error') or r.get('invalid')}")
+    if a.json:
+        write_json(a.json, {"machine": info, "command": a.command,
+                            "config": {k: v for k, v in vars(a).items() if k not in ("inner",)},
+                            "workload": {"requests": len(reqs), "prompt_tokens": sum(prompt_tokens),
+                                         "sessions": len({r.session for r in reqs})},
+                            "runs": rows, "summary": summary})
+    return 1 if bad else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=125)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--routers", default=",".join(ROUTERS), help="comma-separated subset of " + ", ".join(ROUTERS))
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--latency-probes", type=int, default=200,
+                    help="one-token completions through each router (and as many directly) per run")
+    ap.add_argument("--model-size", default="small", help="kvevents.demo.tiny_model size (small: 13.6M)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--workdir", default="/tmp/kvevents-bench-gateway")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="1 round, 20 requests, 20 latency probes per router")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.smoke:
+        a.rounds, a.requests, a.latency_probes = 1, 20, 20
+    if a.inner:
+        sys.exit(inner(a))
+    argv = sys.argv[1:]
+    command = a.command or " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, ROOT)
+                                                           if sys.executable.startswith(str(ROOT)) else sys.executable,
+                                                           "benchmarks/bench_gateway.py", *argv])
+    sys.exit(rerun_in_loopback_netns(__file__, [*argv, "--command", command]))
+
+
+if __name__ == "__main__":
+    main()

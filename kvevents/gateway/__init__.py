@@ -1,0 +1,22 @@
+"""The KV-aware OpenAI gateway: ``kvevents serve`` in front of the engines.
+
+Files::
+
+    proxy.py    Gateway: route (index + load + session), forward unchanged, stream back,
+                retry before the first byte, account; the request's whole life
+    prompt.py   what the gateway reads of a body (model, stream, prompt) and the
+                prompt's token ids (local tokenizer, else the engine's /tokenize)
+    load.py     each engine's load: first-hand in-flight requests and uncomputed prompt
+                tokens, plus the engine's own /metrics (polled); reachability
+    metrics.py  the gateway's Prometheus metrics (requests, TTFT, latency, in flight,
+                predicted against reported cached tokens)
+    errors.py   OpenAI-shaped errors
+
+Sits above ``routing`` (the decision) and below ``api`` (the handlers).
+"""
+
+from kvevents.gateway.errors import OpenAIError
+from kvevents.gateway.metrics import GatewayMetrics
+from kvevents.gateway.proxy import Gateway
+
+__all__ = ["Gateway", "GatewayMetrics", "OpenAIError"]

@@ -1,0 +1,172 @@
+"""Each gateway target's load: what this gateway has in flight there, first hand, and
+what the engine itself reports on its ``/metrics``.
+
+First hand (exact, instant): requests in flight from this gateway and the prompt tokens
+they still had to compute (their prompt minus the cached prefix the index predicted),
+counted from the moment a request is sent until its answer ends.
+
+From the engine (polled every ``poll_interval_s`` by one task on the event loop):
+``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and
+``vllm:kv_cache_usage_perc``, summed over the engine's label sets. They include other
+clients' and other gateway replicas' requests, which is how several replicas balance
+without talking to each other: at each poll the engine's total minus what this gateway
+had in flight then is the rest of the world's load, carried until the next poll.
+
+:meth:`EngineLoads.load` combines them into the policy's
+:class:`~kvevents.routing.EngineLoad`: ``running`` = ours in flight now, ``waiting`` =
+the others' plus our uncomputed prompt tokens in request units
+(``prefill_tokens_per_request``), so a few long prefills weigh as much as many short
+ones. ``kv_usage`` is the engine's.
+
+Health: a refused connection (to a poll or a request), or two failed polls in a row,
+mark the engine *unreachable* until a poll succeeds again; the gateway does not choose it
+meanwhile. Failure here never raises into a request: a poll that fails is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from kvevents.routing import EngineLoad
+
+log = logging.getLogger(__name__)
+
+_GAUGES = {b"vllm:num_requests_waiting": "waiting", b"vllm:num_requests_running": "running",
+           b"vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+def parse_engine_metrics(text: bytes) -> dict[str, float]:
+    """The three vLLM gauges from a Prometheus text page, each summed over its label
+    sets (a data-parallel engine reports one set per rank; ``kv_usage`` is averaged).
+    Missing gauges are absent; unparsable lines are skipped."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith(b"vllm:"):
+            continue
+        name, _, rest = line.partition(b"{") if b"{" in line.split(b" ", 1)[0] else line.partition(b" ")
+        key = _GAUGES.get(name.strip())
+        if key is None:
+            continue
+        value = rest.rsplit(b"}", 1)[-1].split() if b"}" in rest else rest.split()
+        try:
+            v = float(value[0])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(v):
+            sums[key] = sums.get(key, 0.0) + v
+            counts[key] = counts.get(key, 0) + 1
+    if "kv_usage" in sums:
+        sums["kv_usage"] /= counts["kv_usage"]
+    return sums
+
+
+@dataclass
+class TargetLoad:
+    """One engine's load as the gateway knows it."""
+
+    inflight: int = 0  # requests from this gateway, sent and not finished
+    prefill_tokens: int = 0  # their prompt tokens the index did not predict as cached
+    others: float = 0.0  # the engine's waiting + running at the last poll, minus ours then
+    kv_usage: float = 0.0
+    polled_at: float | None = None  # monotonic time of the last good poll
+    reachable: bool = True
+    poll_failures: int = 0
+    failed_in_row: int = 0  # polls failed since the last good one
+    last_error: str | None = None
+    # Routing accuracy: cached tokens predicted and reported, over answers that reported.
+    predicted_cached: int = 0
+    reported_cached: int = 0
+    usage_reports: int = 0
+
+
+class EngineLoads:
+    """Load of every gateway target; the event loop's thread only (no locks needed)."""
+
+    def __init__(self, prefill_tokens_per_request: int = 2048) -> None:
+        self.prefill_unit = max(1, prefill_tokens_per_request)
+        self.targets: dict[str, TargetLoad] = {}
+
+    def of(self, engine: str) -> TargetLoad:
+        t = self.targets.get(engine)
+        if t is None:
+            t = self.targets[engine] = TargetLoad()
+        return t
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop engines no longer targets (their series too)."""
+        for name in [n for n in self.targets if n not in keep]:
+            del self.targets[name]
+
+    def started(self, engine: str, prefill_tokens: int) -> None:
+        t = self.of(engine)
+        t.inflight += 1
+        t.prefill_tokens += prefill_tokens
+
+    def finished(self, engine: str, prefill_tokens: int) -> None:
+        t = self.of(engine)
+        t.inflight = max(0, t.inflight - 1)
+        t.prefill_tokens = max(0, t.prefill_tokens - prefill_tokens)
+
+    def unreachable(self, engine: str, why: str) -> None:
+        t = self.of(engine)
+        t.reachable = False
+        t.last_error = why
+
+    def load(self, engine: str) -> EngineLoad:
+        t = self.of(engine)
+        return EngineLoad(waiting=t.others + t.prefill_tokens / self.prefill_unit,
+                          running=float(t.inflight), kv_usage=min(1.0, max(0.0, t.kv_usage)))
+
+    async def poll(self, client: httpx.AsyncClient, engine: str, url: str, timeout: float) -> bool:
+        """One poll of ``url`` (the engine's ``/metrics``); True when it answered."""
+        t = self.of(engine)
+        inflight_then = t.inflight
+        try:
+            resp = await client.get(url, timeout=timeout)
+            resp.raise_for_status()
+            gauges = parse_engine_metrics(resp.content)
+        except (httpx.HTTPError, OSError) as exc:
+            t.poll_failures += 1
+            t.failed_in_row += 1
+            # A refused connection is final; a slow or failed answer counts only the
+            # second time in a row (one slow scrape under load must not flap the engine).
+            if not isinstance(exc, httpx.ConnectError) and t.failed_in_row < 2:
+                return False
+            if t.reachable:
+                log.warning("engine %s: %s unreachable (%s); not routed to until it answers",
+                            engine, url, exc)
+            t.reachable, t.last_error = False, f"{type(exc).__name__}: {exc}"
+            return False
+        total = gauges.get("waiting", 0.0) + gauges.get("running", 0.0)
+        t.others = max(0.0, total - inflight_then)
+        t.kv_usage = gauges.get("kv_usage", 0.0)
+        t.polled_at = time.monotonic()
+        t.failed_in_row = 0
+        if not t.reachable:
+            log.info("engine %s answers again", engine)
+        t.reachable, t.last_error = True, None
+        return True
+
+    async def poll_forever(self, client: httpx.AsyncClient, targets, interval: float) -> None:
+        """Poll every target's ``/metrics`` every ``interval`` seconds, concurrently,
+        each bounded by the interval; ``targets()`` -> {engine: metrics URL} now.
+        Runs until cancelled; survives its own errors (logged)."""
+        while True:
+            started = time.monotonic()
+            try:
+                urls = targets()
+                self.forget(set(urls))
+                await asyncio.gather(*(self.poll(client, e, u, max(0.2, interval))
+                                       for e, u in urls.items()))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a poll bug must not end the loop: health would lie
+                log.exception("engine load poll failed; continuing")
+            await asyncio.sleep(max(0.05, interval - (time.monotonic() - started)))

@@ -1,0 +1,68 @@
+"""The gateway's Prometheus metrics (registered on the aggregator's registry).
+
+=============================================  =============================================
+kvevents_gateway_requests_total                requests answered {engine, model_name, status}
+                                               (engine "" when none was chosen)
+kvevents_gateway_ttft_seconds                  time to the first streamed byte {model_name}
+kvevents_gateway_request_seconds               time to the last byte {model_name}
+kvevents_gateway_inflight_requests             requests in flight {engine}
+kvevents_gateway_retries_total                 requests sent again to another engine {reason}
+kvevents_gateway_predicted_cached_tokens_total the index's predicted cached prefix of the
+                                               chosen engine {engine, model_name}
+kvevents_gateway_reported_cached_tokens_total  what the engine reported
+                                               (usage.prompt_tokens_details.cached_tokens)
+                                               for the same requests {engine, model_name}
+kvevents_gateway_usage_reports_total           requests whose answer carried cached_tokens
+kvevents_gateway_untokenized_total             prompts routed by load alone (no ids)
+=============================================  =============================================
+
+Labels as on every per-engine series: ``engine`` (the followed engine's name) and
+``model_name`` (the request's model, as vLLM labels its own). Predicted and reported are
+counted only for requests whose answer reported cached
+tokens (vLLM's ``--enable-prompt-tokens-details``; streamed answers with
+``stream_options.include_usage``), so their ratio is the live accuracy of the routing
+signal per engine.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# TTFT and request latency: from a few ms (cached, one token) to minutes (long generations).
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("kvevents_gateway_requests_total", "OpenAI requests answered by the "
+                                "gateway", ["engine", "model_name", "status"], registry=registry)
+        self.ttft = Histogram("kvevents_gateway_ttft_seconds", "Time to the first streamed byte, "
+                              "measured at the gateway", ["model_name"], buckets=_BUCKETS, registry=registry)
+        self.latency = Histogram("kvevents_gateway_request_seconds", "Time to the last byte, "
+                                 "measured at the gateway", ["model_name"], buckets=_BUCKETS, registry=registry)
+        self.inflight = Gauge("kvevents_gateway_inflight_requests", "Requests in flight per engine",
+                              ["engine"], registry=registry)
+        self.retries = Counter("kvevents_gateway_retries_total", "Requests sent again to another "
+                               "engine before their first byte", ["reason"], registry=registry)
+        for reason in ("connect", "5xx"):  # present from the start: a rate of 0 is an answer
+            self.retries.labels(reason)
+        self.predicted = Counter("kvevents_gateway_predicted_cached_tokens_total", "Cached prompt "
+                                 "tokens the index predicted on the chosen engine",
+                                 ["engine", "model_name"], registry=registry)
+        self.reported = Counter("kvevents_gateway_reported_cached_tokens_total", "Cached prompt "
+                                "tokens the engine reported for the same requests",
+                                ["engine", "model_name"], registry=registry)
+        self.usage_reports = Counter("kvevents_gateway_usage_reports_total", "Answers that "
+                                     "reported cached tokens", ["engine", "model_name"], registry=registry)
+        self.untokenized = Counter("kvevents_gateway_untokenized_total", "Prompts routed by load "
+                                   "alone: no token ids", registry=registry)
+
+    def forget_engine(self, engine: str) -> None:
+        """Drop an engine's series (it left the fleet)."""
+        for metric in (self.requests, self.predicted, self.reported, self.usage_reports):
+            for labels in [k for k in list(metric._metrics) if k[0] == engine]:  # noqa: SLF001
+                metric.remove(*labels)
+        try:
+            self.inflight.remove(engine)
+        except KeyError:
+            pass

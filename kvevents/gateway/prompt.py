@@ -1,0 +1,158 @@
+"""An OpenAI request body as the gateway needs it: the model, whether it streams, and
+the prompt's token ids for routing.
+
+The body itself is forwarded to the engine byte for byte; this only reads it. Token ids
+come from the model's local tokenizer (``serve --tokenizer MODEL=DIR``: the same ids the
+engine computes, chat templates included) or, without one, from an engine's own
+``POST /tokenize`` (one more hop; said once in the log). A body the gateway cannot read
+is a 400 naming the field; a prompt it cannot tokenize (a chat template that refuses
+the messages, an engine without ``/tokenize``) is routed without a cache signal, by load
+alone, and counted: routing must never be why a request fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+from starlette.concurrency import run_in_threadpool
+
+from kvevents.gateway.errors import OpenAIError
+from kvevents.text import ChatTemplateError, TokenizerRegistry
+from kvevents.text.chat import ChatMessage
+
+log = logging.getLogger(__name__)
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+
+@dataclass
+class OpenAIRequest:
+    """What the gateway reads of a body (the body itself is forwarded unchanged)."""
+
+    kind: str  # CHAT or COMPLETIONS
+    body: bytes
+    model: str | None
+    stream: bool
+    prompt: str | list[int] | None = None  # completions: the (first) prompt
+    messages: list[dict[str, Any]] | None = None  # chat
+
+
+class _Body(msgspec.Struct):
+    """The fields the gateway reads; the rest of the body is the engine's business.
+    ``prompt`` and ``messages`` stay raw here and are typed below, in compiled code."""
+
+    model: str | None = None
+    stream: bool | None = None
+    prompt: msgspec.Raw = msgspec.Raw()  # empty: absent
+    messages: msgspec.Raw = msgspec.Raw()
+
+
+_body = msgspec.json.Decoder(_Body)
+_ids = msgspec.json.Decoder(list[int])
+_texts = msgspec.json.Decoder(list[str])
+_id_lists = msgspec.json.Decoder(list[list[int]])
+_messages = msgspec.json.Decoder(list[dict[str, Any]])
+
+
+def parse_request(kind: str, body: bytes) -> OpenAIRequest:
+    """Read a chat or completions body; raises :class:`OpenAIError` (400) naming the field.
+    Token-id prompts are read by msgspec into a list of ints (no Python per token)."""
+    try:
+        doc = _body.decode(body)
+    except msgspec.ValidationError as exc:
+        field = str(exc).rpartition("$.")[2].rstrip("`") or None
+        raise OpenAIError(400, f"invalid request: {exc}", field if field in ("model", "stream") else None) from None
+    except msgspec.DecodeError as exc:
+        raise OpenAIError(400, f"request body is not a JSON object: {exc}") from None
+    req = OpenAIRequest(kind, body, doc.model, bool(doc.stream))
+    if kind == CHAT:
+        try:
+            messages = _messages.decode(doc.messages) if len(doc.messages) else None
+        except msgspec.ValidationError:
+            messages = None
+        if not messages:
+            raise OpenAIError(400, "messages must be a non-empty array of objects", "messages")
+        req.messages = messages
+    else:
+        req.prompt = _first_prompt(doc.prompt)
+    return req
+
+
+def _first_prompt(raw: msgspec.Raw) -> str | list[int]:
+    """The prompt to route by: a string, token ids, or the first of a batch of either."""
+    if len(raw):
+        for decoder, first in ((_ids, False), (_texts, True), (_id_lists, True)):
+            try:
+                value = decoder.decode(raw)
+            except msgspec.ValidationError:
+                continue
+            if value and (not first or value[0]):
+                return value[0] if first else value
+        try:
+            text = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            text = None
+        if isinstance(text, str):
+            return text
+    raise OpenAIError(400, "prompt must be a string, an array of token ids, or a non-empty "
+                           "array of either", "prompt")
+
+
+class PromptTokens:
+    """Token ids of a request's prompt, locally when the model has a tokenizer, else
+    from an engine's ``/tokenize``."""
+
+    def __init__(self, tokenizers: TokenizerRegistry, client: httpx.AsyncClient,
+                 timeout: float = 5.0) -> None:
+        self.tokenizers = tokenizers
+        self.client = client
+        self.timeout = timeout
+        self.failures = 0  # prompts routed without ids
+        self._told: set[str] = set()
+
+    async def ids(self, req: OpenAIRequest, engine_url: str | None) -> Sequence[int] | None:
+        """The ids, or None when they cannot be had (routed by load alone)."""
+        if req.kind == COMPLETIONS and isinstance(req.prompt, list):
+            return req.prompt
+        tok = self.tokenizers.get(req.model)
+        if tok is not None:
+            try:
+                if req.kind == COMPLETIONS:
+                    return await run_in_threadpool(tok.encode_prompt, req.prompt)
+                messages = msgspec.convert(req.messages, list[ChatMessage])
+                return await run_in_threadpool(tok.encode_chat, messages)
+            except (msgspec.ValidationError, ChatTemplateError) as exc:
+                log.debug("local tokenization of a %s request failed (%s); asking the engine",
+                          req.kind, exc)
+        if engine_url is None:
+            self.failures += 1
+            return None
+        return await self._remote(req, engine_url)
+
+    async def _remote(self, req: OpenAIRequest, engine_url: str) -> Sequence[int] | None:
+        key = req.model or ""
+        if key not in self._told:
+            self._told.add(key)
+            log.info("no local tokenizer for model %r: asking the engines' /tokenize (one more "
+                     "hop per request; serve --tokenizer %s=DIR avoids it)", req.model, req.model or "MODEL")
+        payload: dict[str, Any] = {"model": req.model} if req.model else {}
+        if req.kind == CHAT:
+            payload["messages"] = req.messages
+        else:
+            payload["prompt"] = req.prompt
+        try:
+            resp = await self.client.post(engine_url + "/tokenize", json=payload, timeout=self.timeout)
+            resp.raise_for_status()
+            tokens = resp.json().get("tokens")
+            if isinstance(tokens, list) and all(type(t) is int for t in tokens):
+                return tokens
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.debug("engine /tokenize failed: %s", exc)
+        self.failures += 1
+        return None

@@ -1,0 +1,483 @@
+"""The KV-aware OpenAI gateway: each request routed by the in-process index and the
+engines' load, forwarded byte for byte, streamed back, and accounted.
+
+Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
+
+1. the bearer token (``api_key``), then the concurrency bound (``max_inflight``: past
+   it, 503 with ``Retry-After``), then the body (:mod:`.prompt`: model, stream, prompt);
+2. the targets: followed engines with an ``http`` URL serving the model, reachable
+   (:mod:`.load`); none: 503 with ``Retry-After``;
+3. the prompt's token ids, the session pin (``x-session-id``: a conversation stays on
+   its engine while that engine is a target and not overloaded), else the policy's
+   choice (:class:`~kvevents.routing.Router`: longest cached prefix per tier against
+   load; engines whose event stream is down are chosen only when all are);
+4. the body sent unchanged to the engine. A refused connection, or a 5xx before the
+   first byte, is sent once more to the next choice (``kvevents_gateway_retries_total``);
+   after the first byte nothing is retried;
+5. the answer streamed back unchanged. A client that goes away closes the upstream
+   request (vLLM then aborts it); so does ``timeout_s`` without an answer.
+
+Every request ends in exactly one ``kvevents_gateway_requests_total`` sample, and the
+decision is logged at debug level and published on the feed (``route``). Lifecycle:
+:meth:`start` (HTTP client, load poller) in the app's lifespan, :meth:`stop` at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from kvevents.engines import EngineSpec
+from kvevents.gateway.errors import OpenAIError, error_body
+from kvevents.gateway.load import EngineLoads
+from kvevents.gateway.metrics import GatewayMetrics
+from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
+from kvevents.routing import Candidate, RouteDecision, Router
+from kvevents.text import TokenizerRegistry
+
+log = logging.getLogger(__name__)
+
+PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
+# Request headers not forwarded: hop-by-hop ones, and those httpx sets itself.
+_DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
+         "te", "trailer", "proxy-authorization", "accept-encoding"}
+_SESSIONS = 100_000  # conversations remembered (least recently used forgotten first)
+_USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
+
+
+class Gateway:
+    """See the module docstring. One per app; the event loop's thread only."""
+
+    def __init__(self, router: Router, tokenizers: TokenizerRegistry, metrics: GatewayMetrics, *,
+                 api_key: str | None = None, timeout_s: float = 600.0, max_inflight: int = 1024,
+                 poll_interval_s: float = 1.0, prefill_tokens_per_request: int = 2048,
+                 max_prompt_tokens: int = 1_000_000) -> None:
+        self.router = router
+        self.aggregator = router.aggregator
+        self.tokenizers = tokenizers
+        self.metrics = metrics
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_inflight = max_inflight
+        self.poll_interval_s = poll_interval_s
+        self.max_prompt_tokens = max_prompt_tokens
+        self.loads = EngineLoads(prefill_tokens_per_request)
+        self.sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.inflight = 0
+        self.client: httpx.AsyncClient | None = None
+        self.tokens: PromptTokens | None = None
+        self._poller: asyncio.Task | None = None
+        self._known: set[str] = set()  # targets at the last poll
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+        self.tokens = PromptTokens(self.tokenizers, self.client)
+        self._poller = asyncio.create_task(self.loads.poll_forever(
+            self.client, self._metrics_urls, self.poll_interval_s), name="kvevents-gateway-poll")
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _metrics_urls(self) -> dict[str, str]:
+        """The targets' ``/metrics`` now; engines gone since the last call lose their
+        series (an engine that leaves the fleet leaves no stale series behind)."""
+        urls = {s.name: s.http + "/metrics" for s in self.aggregator.engine_specs() if s.http}
+        for gone in self._known - set(urls):
+            self.metrics.forget_engine(gone)
+        self._known = set(urls)
+        return urls
+
+    # -- targets ------------------------------------------------------------------------
+
+    def targets(self, model: str | None) -> list[EngineSpec]:
+        """Engines with an OpenAI server that serve ``model`` (an engine without a model
+        in its spec serves any)."""
+        return [s for s in self.aggregator.engine_specs()
+                if s.http and (model is None or s.model is None or s.model == model)]
+
+    def served_models(self) -> list[str]:
+        return sorted({s.model for s in self.aggregator.engine_specs() if s.http and s.model})
+
+    # -- requests -----------------------------------------------------------------------
+
+    def check_key(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            raise OpenAIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        """One OpenAI request; never raises (errors are OpenAI-shaped answers)."""
+        t0 = time.perf_counter()
+        try:
+            self.check_key(request)
+            if self.inflight >= self.max_inflight:
+                raise OpenAIError(503, f"the gateway has {self.inflight} requests in flight "
+                                       "(max_inflight); retry shortly", headers={"Retry-After": "1"})
+            req = parse_request(kind, await request.body())
+        except OpenAIError as exc:
+            self.metrics.requests.labels("", "", str(exc.status)).inc()
+            return exc.response()
+        self.inflight += 1
+        try:
+            return await self._serve(request, req, t0)
+        except OpenAIError as exc:
+            self.metrics.requests.labels("", req.model or "", str(exc.status)).inc()
+            return exc.response()
+        finally:
+            self.inflight -= 1
+
+    async def _serve(self, request: Request, req: OpenAIRequest, t0: float) -> Response:
+        model = self._model_of(req)
+        targets = self.targets(model)
+        if not targets:
+            raise OpenAIError(404, f"no engine serves model {model!r} (served: "
+                                   f"{', '.join(self.served_models()) or 'none'})", "model",
+                              code="model_not_found")
+        reachable = [s for s in targets if self.loads.of(s.name).reachable]
+        if not reachable:
+            raise OpenAIError(503, "no engine for this model is reachable now; retry shortly",
+                              headers={"Retry-After": "2"})
+        by_name = {s.name: s for s in reachable}
+        assert self.tokens is not None
+        ids = await self.tokens.ids(req, reachable[0].http)
+        if ids is None:
+            self.metrics.untokenized.inc()
+        elif len(ids) > self.max_prompt_tokens:
+            raise OpenAIError(400, f"prompt has {len(ids)} tokens; the limit is "
+                                   f"{self.max_prompt_tokens}", "messages" if req.kind == CHAT else "prompt")
+        session = request.headers.get("x-session-id")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP
+                   and not (self.api_key and k.lower() == "authorization")}
+        tried: set[str] = set()
+        while True:
+            decision = await self._decide(ids, model, by_name, tried, session)
+            engine = by_name[decision.engine]
+            predicted = expected_cached(decision, len(ids) if ids else 0)
+            prefill = max(0, (len(ids) if ids else 0) - predicted)
+            self._announce(decision, model, ids, session)
+            self.loads.started(engine.name, prefill)
+            self.metrics.inflight.labels(engine.name).inc()
+            try:
+                upstream = await self._send(request, engine, req, headers)
+            except OpenAIError as exc:  # the client left before any answer
+                self._finished(engine.name, prefill)
+                self._count(engine.name, model, exc.status, t0, None)
+                return exc.response()
+            except BaseException:
+                self._finished(engine.name, prefill)
+                raise
+            retry = self._retry_reason(upstream, tried, by_name)
+            if retry is None:
+                break
+            self._finished(engine.name, prefill)
+            self.metrics.retries.labels(retry).inc()
+            log.warning("engine %s: %s before the first byte; sending the request to another engine",
+                        engine.name, retry)
+            tried.add(engine.name)
+            if isinstance(upstream, httpx.Response):
+                await upstream.aclose()
+        if isinstance(upstream, Exception):
+            self._finished(engine.name, prefill)
+            status = 504 if isinstance(upstream, httpx.TimeoutException) else 502
+            self._count(engine.name, model, status, t0, None)
+            return OpenAIError(status, f"engine {engine.name} failed before answering: {upstream}",
+                               headers={"Retry-After": "1"}).response()
+        if session:
+            self._pin(session, engine.name)
+        if req.stream and upstream.status_code < 400:
+            return self._stream(request, upstream, engine.name, model, predicted, prefill, t0)
+        return await self._whole(request, upstream, engine.name, model, predicted, prefill, t0)
+
+    def _model_of(self, req: OpenAIRequest) -> str | None:
+        if req.model is not None:
+            return req.model
+        served = self.served_models()
+        if len(served) > 1:
+            raise OpenAIError(400, f"model is required: the engines serve {', '.join(served)}", "model")
+        return served[0] if served else None
+
+    async def _decide(self, ids: Sequence[int] | None, model: str | None,
+                      by_name: dict[str, EngineSpec], tried: set[str], session: str | None
+                      ) -> RouteDecision:
+        names = [n for n in by_name if n not in tried]
+        if not names:
+            raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
+        candidates = [Candidate(n, self.loads.load(n)) for n in names]
+        decision = await self.router.choose(ids, model, None, candidates)
+        pinned = self.sessions.get(session) if session else None
+        if pinned is not None and pinned != decision.engine and pinned in names:
+            # A conversation stays where its history is unless that engine is overloaded
+            # (the policy's load guard made it ineligible).
+            score = next((s for s in decision.scores if s.engine == pinned), None)
+            if score is not None and score.eligible:
+                return RouteDecision(pinned, score.matched_tokens, score.tiers, decision.scores,
+                                     f"session {session!r} pinned to {pinned}", decision.block_size)
+        return decision
+
+    def _pin(self, session: str, engine: str) -> None:
+        self.sessions[session] = engine
+        self.sessions.move_to_end(session)
+        while len(self.sessions) > _SESSIONS:
+            self.sessions.popitem(last=False)
+
+    def _announce(self, decision: RouteDecision, model: str | None, ids: Sequence[int] | None,
+                  session: str | None) -> None:
+        log.debug("route %s -> %s: %s", model, decision.engine, decision.reason)
+        self.aggregator.feed.publish("route", {
+            "engine": decision.engine, "model": model, "prompt_tokens": len(ids) if ids else None,
+            "matched_tokens": decision.matched_tokens, "reason": decision.reason, "session": session})
+
+    async def _send(self, request: Request, engine: EngineSpec, req: OpenAIRequest,
+                    headers: dict[str, str]) -> httpx.Response | Exception:
+        """The engine's response (headers read, body not), or the exception that stopped
+        it before any answer. A client gone meanwhile cancels the send."""
+        assert self.client is not None
+        out = self.client.build_request("POST", engine.http + PATHS[req.kind], content=req.body,
+                                        headers=headers)
+        send = asyncio.ensure_future(self.client.send(out, stream=True))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait((send, gone), timeout=self.timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if send not in done:
+            send.cancel()
+            try:
+                await send
+            except BaseException:  # noqa: BLE001 (cancelled on purpose; its own error is moot)
+                pass
+            if gone in done:
+                raise OpenAIError(499, "client closed the request")
+            return httpx.ReadTimeout(f"no answer within {self.timeout_s:g} s")
+        try:
+            return send.result()
+        except httpx.TransportError as exc:
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                self.loads.unreachable(engine.name, f"{type(exc).__name__}: {exc}")
+            return exc
+        except httpx.HTTPError as exc:  # anything else httpx refuses: the engine's fault, a 502
+            return exc
+
+    def _retry_reason(self, upstream: httpx.Response | Exception, tried: set[str],
+                      by_name: dict[str, EngineSpec]) -> str | None:
+        """Why to send the request again to another engine, or None: once at most, and
+        only when another engine is left and nothing reached the client yet."""
+        if tried or len(by_name) < 2:
+            return None
+        if isinstance(upstream, (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
+                                 httpx.ReadError, httpx.WriteError)):
+            return "connect"
+        if isinstance(upstream, httpx.Response) and upstream.status_code >= 500:
+            return "5xx"
+        return None
+
+    def _finished(self, engine: str, prefill: int) -> None:
+        self.loads.finished(engine, prefill)
+        self.metrics.inflight.labels(engine).dec()
+
+    def _count(self, engine: str, model: str | None, status: int, t0: float,
+               usage: tuple[int, int] | None) -> None:
+        """One request's end: its status, latency, and (reported, predicted) cached tokens."""
+        m = model or ""
+        self.metrics.requests.labels(engine, m, str(status)).inc()
+        self.metrics.latency.labels(m).observe(time.perf_counter() - t0)
+        if usage is not None:
+            reported, predicted = usage
+            self.metrics.predicted.labels(engine, m).inc(predicted)
+            self.metrics.reported.labels(engine, m).inc(reported)
+            self.metrics.usage_reports.labels(engine, m).inc()
+            t = self.loads.of(engine)
+            t.predicted_cached += predicted
+            t.reported_cached += reported
+            t.usage_reports += 1
+
+    async def _whole(self, request: Request, upstream: httpx.Response, engine: str,
+                     model: str | None, predicted: int, prefill: int, t0: float) -> Response:
+        """A non-streamed answer (or an engine's error), read whole while watching the client."""
+        read = asyncio.ensure_future(upstream.aread())
+        gone = asyncio.ensure_future(_disconnected(request))
+        error: OpenAIError | None = None
+        try:
+            done, _ = await asyncio.wait((read, gone), timeout=self.timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                read.cancel()
+                error = (OpenAIError(499, "client closed the request") if gone in done else
+                         OpenAIError(504, f"engine {engine} gave no answer within {self.timeout_s:g} s"))
+            elif read.exception() is not None:
+                error = OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")
+        finally:
+            gone.cancel()
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            self._finished(engine, prefill)
+        if error is not None:
+            self._count(engine, model, error.status, t0, None)
+            return error.response()
+        body = read.result()
+        status = upstream.status_code
+        cached = _cached_tokens(body) if status < 400 else None
+        self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+        return Response(body, status_code=status, headers=_answer_headers(upstream, engine))
+
+    def _stream(self, request: Request, upstream: httpx.Response, engine: str, model: str | None,
+                predicted: int, prefill: int, t0: float) -> StreamingResponse:
+        """A streamed answer, passed through chunk by chunk as the engine sends it."""
+        m = model or ""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            tail = b""
+            status = upstream.status_code
+            first = True
+            # Watched here, not only by Starlette: its own watch missed a few disconnects
+            # (about 3 in 60 under uvicorn 0.54), and a stream to a dead socket goes on
+            # until the engine finishes, which is what closing the upstream must prevent.
+            gone = asyncio.ensure_future(_disconnected(request))
+            reader = upstream.aiter_raw().__aiter__()
+            try:
+                while True:
+                    read = asyncio.ensure_future(reader.__anext__())
+                    await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not read.done():
+                        read.cancel()
+                        status = 499
+                        break
+                    try:
+                        chunk = read.result()
+                    except StopAsyncIteration:
+                        break
+                    if first:
+                        self.metrics.ttft.labels(m).observe(time.perf_counter() - t0)
+                        first = False
+                    tail = (tail + chunk)[-_USAGE_TAIL:]
+                    yield chunk
+            except httpx.HTTPError as exc:
+                # The engine broke off: say so in the stream, in OpenAI's shape (the
+                # official client raises on it), instead of ending as if complete.
+                status = 502
+                log.warning("engine %s broke off a streamed answer: %s", engine, exc)
+                yield b"data: " + error_body(502, f"engine {engine} broke off its answer: {exc}") + b"\n\n"
+            except BaseException:
+                status = 499  # the client went away (Starlette cancels the stream)
+                raise
+            finally:
+                gone.cancel()
+                with anyio.CancelScope(shield=True):  # close the upstream even when cancelled
+                    await upstream.aclose()
+                self._finished(engine, prefill)
+                cached = _stream_cached_tokens(tail) if status < 400 else None
+                self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+
+        return StreamingResponse(chunks(), status_code=upstream.status_code,
+                                 headers=_answer_headers(upstream, engine))
+
+    # -- models -----------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the models the reachable engines serve (asked, merged by
+        id), else those their specs name."""
+        try:
+            self.check_key(request)
+        except OpenAIError as exc:
+            return exc.response()
+        assert self.client is not None
+        specs = [s for s in self.targets(None) if self.loads.of(s.name).reachable]
+        answers = await asyncio.gather(*(self.client.get(s.http + "/v1/models", timeout=2.0)
+                                         for s in specs), return_exceptions=True)
+        data: dict[str, dict] = {}
+        for resp in answers:
+            if isinstance(resp, httpx.Response) and resp.status_code == 200:
+                try:
+                    for item in resp.json().get("data", []):
+                        if isinstance(item, dict) and isinstance(item.get("id"), str):
+                            data.setdefault(item["id"], item)
+                except (ValueError, AttributeError):
+                    continue
+        for name in self.served_models():
+            data.setdefault(name, {"id": name, "object": "model", "created": int(self.aggregator.started_at),
+                                   "owned_by": "kvevents"})
+        return Response(json.dumps({"object": "list", "data": list(data.values())}),
+                        media_type="application/json")
+
+
+def expected_cached(decision: RouteDecision, prompt_tokens: int) -> int:
+    """The cached tokens the chosen engine should report for this prompt: the matched
+    prefix, less one block when it covers the whole prompt (vLLM always computes the
+    prompt's last token, so a fully cached prompt reports one block less)."""
+    matched = decision.matched_tokens
+    if prompt_tokens and matched >= prompt_tokens and decision.block_size:
+        return max(0, matched - decision.block_size)
+    return matched
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (its body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _answer_headers(upstream: httpx.Response, engine: str) -> dict[str, str]:
+    out = {"x-kvevents-engine": engine}
+    for name in ("content-type", "x-request-id", "cache-control"):
+        if name in upstream.headers:
+            out[name] = upstream.headers[name]
+    return out
+
+
+def _usage_cached(doc: object) -> int | None:
+    if not isinstance(doc, dict):
+        return None
+    usage = doc.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int and cached >= 0 else None
+
+
+def _cached_tokens(body: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a whole answer, if reported."""
+    if b"cached_tokens" not in body:
+        return None
+    try:
+        return _usage_cached(json.loads(body))
+    except ValueError:
+        return None
+
+
+def _stream_cached_tokens(tail: bytes) -> int | None:
+    """The same, from the last usage chunk of a streamed answer (``include_usage``)."""
+    if b"cached_tokens" not in tail:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b"cached_tokens" in line:
+            try:
+                return _usage_cached(json.loads(line[5:]))
+            except ValueError:
+                return None
+    return None

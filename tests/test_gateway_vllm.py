@@ -1,0 +1,451 @@
+"""The gateway in ``kvevents serve`` in front of two real vLLM OpenAI servers (CPU).
+
+One module-scoped stack: ``kvevents serve`` (a subprocess, binding each engine's live
+event endpoint, with the tiny model's tokenizer) and two ``vllm.entrypoints.openai.
+api_server`` processes (:mod:`kvevents.demo.vllm_server`) of the tiny model with its
+tokenizer (:mod:`kvevents.demo.tiny_model`), started in parallel. Checks, in this order
+(the kills last): answers through the gateway equal the engine's own (completions by ids
+and by text, chat; whole and streamed; ``include_usage``; the ``openai`` client), the
+gateway's local tokenizer equals the engine's, routing follows the index (the engine
+that served a prompt gets it again and reports cached tokens), bad bodies get
+OpenAI-shaped 4xx, a client that disconnects frees the engine, and a killed engine
+costs no request while the other is up (503 with ``Retry-After`` when none is).
+
+Where vLLM is not installed these tests skip; under ``CI=true`` a missing vLLM fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support import free_port, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+HOW = "vLLM is not installed: run `make test CI=true` (installs the vllm extra) or pip install -e '.[vllm]'"
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI=true but vLLM is missing: " + HOW)
+    pytest.skip(HOW, allow_module_level=True)
+
+import httpx  # noqa: E402
+
+from kvevents.demo.vllm_server import VllmFleet, server_env  # noqa: E402
+
+MODEL = "tiny"
+NAMES = ("e0", "e1")
+STARTUP = 420.0  # both engines on 2 cores: 40-90 s, more on a loaded machine
+pytestmark = pytest.mark.timeout(900)
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from kvevents.demo.tiny_model import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("gateway-vllm")
+    model = make_tiny_model(tmp / "tiny-llama", tokenizer=True)
+    port, http = free_port(), [free_port() for _ in NAMES]
+    events = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in NAMES]
+    cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--tokenizer", f"{MODEL}={model}", "--engine-poll-interval", "0.5"]
+    for name, (live, replay), h in zip(NAMES, events, http):
+        cmd += ["--endpoint", f"{name}={live},replay={replay},model={MODEL},http=http://127.0.0.1:{h},bind=1"]
+    serve_log = tmp / "serve.log"
+    with open(serve_log, "w") as log:
+        serve = subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT)
+    fleet = VllmFleet(model, events, log_dir=tmp, ports=http, served_model_name=MODEL,
+                      num_gpu_blocks=48, max_model_len=512).start()  # both start while serve does
+    gw = f"http://127.0.0.1:{port}"
+    try:
+        def serving() -> bool:
+            assert serve.poll() is None, serve_log.read_text()[-3000:]
+            try:
+                return httpx.get(gw + "/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(serving, timeout=60, interval=0.2), serve_log.read_text()[-3000:]
+        t0 = time.monotonic()
+        fleet.wait_ready(STARTUP)
+        print(f"\nengines ready in {time.monotonic() - t0:.0f} s after kvevents serve")
+
+        def all_up() -> bool:
+            engines = httpx.get(gw + "/v1/engines", timeout=5).json()["engines"]
+            return len(engines) == 2 and all(e["gateway"]["reachable"] and e["connected"] for e in engines)
+
+        assert wait_until(all_up, timeout=30, interval=0.2), httpx.get(gw + "/v1/engines").text
+        yield {"gw": gw, "fleet": fleet, "by_name": dict(zip(NAMES, fleet.servers)), "model": model,
+               "log": serve_log}
+    finally:
+        fleet.stop()
+        serve.terminate()
+        try:
+            serve.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait(timeout=10)
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+
+def _post(url: str, body, timeout: float = 60.0) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=timeout)
+    return httpx.post(url, json=body, timeout=timeout)
+
+
+def _events(resp: httpx.Response) -> list[dict]:
+    """The JSON chunks of a server-sent event stream, which must end with [DONE]."""
+    data = [line[len("data: "):] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", resp.text[-500:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _content(path: str, doc: dict) -> str:
+    choice = doc["choices"][0]
+    return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+
+def _stream_content(path: str, chunks: list[dict]) -> str:
+    out = []
+    for c in chunks:
+        for choice in c.get("choices") or []:
+            out.append(choice.get("text") if path == "/v1/completions" else choice["delta"].get("content"))
+    return "".join(x for x in out if x)
+
+
+def _reset(*servers) -> None:
+    for s in servers:  # refused while blocks are held (a request just ending): retry briefly
+        assert wait_until(s.reset_prefix_cache, timeout=10, interval=0.1), s.url
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([^\s{]+)(?:\{(.*)\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=5).text
+
+
+def _error_shape(resp: httpx.Response) -> dict:
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    return err
+
+
+PROMPT_IDS = list(range(40, 106))  # 66 ids: two full blocks and a tail
+CASES = {
+    "completions-ids": ("/v1/completions", {"prompt": PROMPT_IDS}),
+    "completions-text": ("/v1/completions", {"prompt": "When two requests share a prefix, the engine can "
+                                                       "reuse those blocks. Tell me a story about a cat."}),
+    "chat": ("/v1/chat/completions", {"messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello! How are you today? Tell me about the cache."}]}),
+}
+
+
+# ---- a. the gateway's answers are the engine's -------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [None, "usage", "plain"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_answer_equals_engine(stack, case, stream):
+    path, extra = CASES[case]
+    body = {"model": MODEL, **extra, **GREEDY}
+    if stream:
+        body["stream"] = True
+        if stream == "usage":
+            body["stream_options"] = {"include_usage": True}
+    by_name = stack["by_name"]
+    _reset(*by_name.values())  # both compute from scratch, the same numbers
+    via = _post(stack["gw"] + path, body)
+    assert via.status_code == 200, via.text
+    engine = by_name[via.headers["x-kvevents-engine"]]
+    _reset(engine)
+    direct = _post(engine.url + path, body)
+    assert direct.status_code == 200, direct.text
+    if not stream:
+        got, want = via.json(), direct.json()
+        assert _content(path, got) == _content(path, want) and _content(path, got)
+        assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"] == "length"
+        assert got["usage"] == want["usage"] and got["usage"]["completion_tokens"] == 12
+        return
+    assert via.headers["content-type"].startswith("text/event-stream")
+    got, want = _events(via), _events(direct)
+    assert _stream_content(path, got) == _stream_content(path, want) != ""
+    usage = [c["usage"] for c in got if c.get("usage")]
+    if stream == "usage":
+        assert usage == [c["usage"] for c in want if c.get("usage")] and len(usage) == 1
+        assert usage[0]["completion_tokens"] == 12 and got[-1]["choices"] == []
+    else:
+        assert usage == []
+
+
+def test_openai_client(stack):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=stack["gw"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    by_name = stack["by_name"]
+    assert MODEL in [m.id for m in client.models.list().data]
+
+    _reset(*by_name.values())
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=CASES["completions-text"][1]["prompt"], max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True})
+    engine = by_name[raw.headers["x-kvevents-engine"]]
+    text = raw.parse().choices[0].text
+    _reset(engine)
+    direct = _post(engine.url + "/v1/completions", {"model": MODEL, **CASES["completions-text"][1], **GREEDY})
+    assert text == direct.json()["choices"][0]["text"]
+
+    messages = CASES["chat"][1]["messages"]
+    _reset(*by_name.values())
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    engine = by_name[raw.headers["x-kvevents-engine"]]
+    chunks = list(raw.parse())
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    _reset(engine)
+    direct = _post(engine.url + "/v1/chat/completions", {"model": MODEL, "messages": messages, **GREEDY})
+    assert content == direct.json()["choices"][0]["message"]["content"]
+
+
+def test_local_tokenizer_equals_engine(stack):
+    """``serve --tokenizer tiny=DIR`` (kvevents' own tokenizer) gives the engine's ids."""
+    from kvevents.text.chat import ChatMessage
+    from kvevents.text.tokenizer import TextTokenizer
+
+    import msgspec
+
+    tok = TextTokenizer(MODEL, stack["model"])
+    url = stack["fleet"][0].url + "/tokenize"
+    for text in (CASES["completions-text"][1]["prompt"],
+                 "café 東京 ✓ 🙂 <|im_start|>x 12345\n\tdef f():"):
+        want = _post(url, {"model": MODEL, "prompt": text}).json()["tokens"]
+        assert tok.encode_prompt(text) == want
+    for messages in (CASES["chat"][1]["messages"],
+                     [{"role": "user", "content": [{"type": "text", "text": "part one, "},
+                                                   {"type": "text", "text": "part two"}]}]):
+        want = _post(url, {"model": MODEL, "messages": messages}).json()["tokens"]
+        assert tok.encode_chat(msgspec.convert(messages, list[ChatMessage])) == want
+
+
+# ---- b. routing follows the index ----------------------------------------------------------
+
+
+def _lookup_tokens(gw: str, ids: list[int], engine: str) -> int:
+    resp = _post(gw + "/v1/lookup", {"token_ids": ids, "model": MODEL}).json()
+    return next((e["matched_tokens"] for e in resp["engines"] if e["engine"] == engine), 0)
+
+
+def _accuracy(gw: str, engine: str) -> tuple[float, float]:
+    text = _metrics(gw)
+    return (_metric(text, "kvevents_gateway_predicted_cached_tokens_total", engine=engine),
+            _metric(text, "kvevents_gateway_reported_cached_tokens_total", engine=engine))
+
+
+def test_routing_follows_index(stack):
+    gw = stack["gw"]
+    prompt = list(range(300, 400))  # 100 ids: three full blocks
+    first = _post(gw + "/v1/completions", {"model": MODEL, "prompt": prompt, **GREEDY})
+    assert first.status_code == 200, first.text
+    x = first.headers["x-kvevents-engine"]
+    predicted0, reported0 = _accuracy(gw, x)
+    assert wait_until(lambda: _lookup_tokens(gw, prompt, x) == 96, timeout=15, interval=0.1)
+    for ids in (prompt, prompt + list(range(500, 540))):
+        again = _post(gw + "/v1/completions", {"model": MODEL, "prompt": ids, **GREEDY})
+        assert again.status_code == 200 and again.headers["x-kvevents-engine"] == x, again.headers
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    streamed = _post(gw + "/v1/completions", {"model": MODEL, "prompt": prompt + [7, 8, 9], **GREEDY,
+                                              "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.headers["x-kvevents-engine"] == x
+    assert _events(streamed)[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+    predicted, reported = (a - b for a, b in zip(_accuracy(gw, x), (predicted0, reported0)))
+    assert predicted == reported == 3 * 96, (predicted, reported)  # the index was right each time
+    stack["holder"] = (x, prompt)
+    print(f"prompt of 100 ids served by {x}, then routed there again; predicted {predicted:g}, "
+          f"reported {reported:g} cached tokens")
+
+
+# ---- e. bad bodies: OpenAI-shaped 4xx --------------------------------------------------------
+
+
+BAD = [
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2', 400, None),
+    ("/v1/completions", b'[1, 2, 3]', 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 4}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": ["hi"]}, 400, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [{"a": 1}]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": 7, "prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+     404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_body_is_openai_4xx(stack, path, body, status, param):
+    resp = _post(stack["gw"] + path, body)
+    assert resp.status_code == status, resp.text
+    err = _error_shape(resp)
+    assert err["param"] == param, err
+    if status == 404:
+        assert err["code"] == "model_not_found" and MODEL in err["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}),
+    ("/v1/completions", {"model": MODEL, "prompt": list(range(10, 610)), "max_tokens": 4}),  # > 512
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}],
+                              "max_tokens": 4}),  # the chat template refuses the role
+])
+def test_engine_refusal_passed_through(stack, path, body):
+    """What only the engine refuses comes back as the engine's own 4xx, not a 5xx."""
+    resp = _post(stack["gw"] + path, body)
+    assert 400 <= resp.status_code < 500, resp.text
+    assert resp.headers["x-kvevents-engine"] in NAMES
+    _error_shape(resp)
+
+
+# ---- d. a client that goes away frees the engine --------------------------------------------
+
+
+def _running(url: str) -> float:
+    return _metric(_metrics(url), "vllm:num_requests_running")
+
+
+def _leave_streamed(gw: str, body: dict) -> None:
+    """Read three chunks of a streamed answer, then close the connection."""
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", gw + "/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            lines = 0
+            for line in resp.iter_lines():
+                lines += line.startswith("data: ")
+                if lines >= 3:
+                    break
+    # leaving both blocks closes the connection mid-stream
+
+
+def _disconnect_once(gw: str, by_name: dict, max_tokens: int) -> tuple[bool, float]:
+    """Leave a stream; (whether the gateway counted a 499, tokens the engines generated)."""
+    before = [_metrics(s.url) for s in by_name.values()]
+    count_499 = _metric(_metrics(gw), "kvevents_gateway_requests_total", status="499")
+    body = {"model": MODEL, "prompt": list(range(600, 610)), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    _leave_streamed(gw, body)
+    assert wait_until(lambda: all(_running(s.url) == 0 for s in by_name.values()), timeout=10, interval=0.1), \
+        {n: _running(s.url) for n, s in by_name.items()}
+    counted = wait_until(lambda: _metric(_metrics(gw), "kvevents_gateway_requests_total", status="499")
+                         >= count_499 + 1, timeout=3, interval=0.1)
+    after = [_metrics(s.url) for s in by_name.values()]
+
+    def delta(name: str, **labels: str) -> float:
+        return sum(_metric(x, name, **labels) - _metric(y, name, **labels) for x, y in zip(after, before))
+
+    assert delta("vllm:prompt_tokens_total") >= 10, "no engine started the request"
+    return counted, delta("vllm:generation_tokens_total")
+
+
+def test_client_disconnect_aborts_engine_request(stack):
+    """The engine stops generating soon after the client leaves, and the gateway counts a
+    499, every time (three in a row: a missed disconnect once streamed the whole answer)."""
+    gw, by_name = stack["gw"], stack["by_name"]
+    max_tokens = 480  # ~2 s of decoding here: the client leaves long before
+    tries = [_disconnect_once(gw, by_name, max_tokens) for _ in range(3)]  # every one must reach it
+    misses = [t for t in tries if not (t[0] and t[1] < max_tokens)]
+    assert not misses, f"client disconnects that did not reach the engine: {misses} of {tries}"
+    print(f"client left mid-stream 3 times: the engine generated {[t[1] for t in tries]} of "
+          f"{max_tokens} tokens each time, then stopped")
+
+
+# ---- c. engines killed (last: the stack does not recover) ------------------------------------
+
+
+def _reachable(gw: str) -> dict[str, bool]:
+    engines = httpx.get(gw + "/v1/engines", timeout=5).json()["engines"]
+    return {e["name"]: e["gateway"]["reachable"] for e in engines}
+
+
+def test_killed_engine_costs_no_request(stack):
+    gw, by_name = stack["gw"], stack["by_name"]
+    x, prompt = stack.get("holder") or (NAMES[0], list(range(300, 400)))
+    other = next(n for n in NAMES if n != x)
+    retries = _metric(_metrics(gw), "kvevents_gateway_retries_total")
+    cut = _metric(_metrics(gw), "kvevents_gateway_requests_total", engine=x, status="502")
+    body = {"model": MODEL, "prompt": prompt + [99], "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", gw + "/v1/completions", json=body) as resp:
+        assert resp.headers["x-kvevents-engine"] == x
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        by_name[x].kill()  # SIGKILL, API server and engine core, mid-stream
+        try:
+            stack["cut_tail"] = list(lines)[-3:]  # the stream ends (bounded by the read timeout)
+        except httpx.TimeoutException:
+            pytest.fail("the client's stream hung after its engine died")
+        except httpx.HTTPError as exc:  # or breaks: a client that notices
+            stack["cut_tail"] = [f"broken: {exc!r}"]
+    assert "data: [DONE]" not in stack["cut_tail"]
+    assert wait_until(lambda: _metric(_metrics(gw), "kvevents_gateway_requests_total", engine=x, status="502")
+                      == cut + 1, timeout=10, interval=0.1)
+    for i in range(10):  # the index still points at x: the first ones meet a refused connection
+        resp = _post(gw + "/v1/completions", {"model": MODEL, "prompt": prompt + [i], **GREEDY})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvevents-engine"] == other
+    assert wait_until(lambda: _reachable(gw) == {x: False, other: True}, timeout=10, interval=0.1), \
+        _reachable(gw)
+    print(f"{x} killed: 10/10 requests answered by {other}; retries "
+          f"{_metric(_metrics(gw), 'kvevents_gateway_retries_total') - retries:g}; the stream it "
+          f"was sending ended with {stack['cut_tail']!r}")
+
+
+def test_stream_cut_by_engine_death_is_visible(stack):
+    """The cut stream ends with an OpenAI-shaped error event, not as if complete."""
+    tail = stack.get("cut_tail")
+    if tail is None:
+        pytest.skip("test_killed_engine_costs_no_request did not run")
+    assert any(t.startswith("broken:") or (t.startswith("data: ") and '"error"' in t) for t in tail), tail
+
+
+def test_all_engines_killed_is_503(stack):
+    gw = stack["gw"]
+    for server in stack["fleet"].servers:
+        server.kill()
+    body = {"model": MODEL, "prompt": "x", **GREEDY}
+    first = _post(gw + "/v1/completions", body, timeout=20)  # maybe before the poll saw it
+    assert first.status_code in (502, 503) and "retry-after" in first.headers, first.text
+    _error_shape(first)
+    assert wait_until(lambda: not any(_reachable(gw).values()), timeout=10, interval=0.1), _reachable(gw)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for path, b in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        resp = _post(gw + path, b, timeout=20)
+        assert resp.status_code == 503, resp.text
+        assert int(resp.headers["retry-after"]) >= 1
+        err = _error_shape(resp)
+        assert err["type"] == "service_unavailable"
