@@ -17,8 +17,9 @@ vLLM serves only then). The engines listen on wildcard sockets, so the benchmark
 re-runs itself inside ``unshare -n`` (only loopback exists there; needs root).
 
 The routers, per round in a rotating order (each run starts from empty caches:
-``POST /reset_prefix_cache`` on every engine once they are idle; a few requests warm
-the engines up before the first round):
+``POST /reset_prefix_cache`` on every engine once they are idle, then one request shorter
+than a block to each: vLLM 0.32 publishes the reset's ``AllBlocksCleared`` only at the
+engine's next step; a few requests warm the engines up before the first round):
 
 * ``ours``: one ``kvevents serve`` for the whole benchmark (connecting to each engine's
   events at ``tcp://127.0.0.1:PORT``, ``http=`` its OpenAI server, ``--tokenizer``
@@ -496,8 +497,22 @@ def reset_caches(fleet, ours: Ours | None) -> None:
         wait_until(lambda s=s: engine_busy(s.url) == 0, 120, what=f"engine {s.url} to be idle")
     for s in fleet.servers:  # refused while a block is held: retry
         wait_until(s.reset_prefix_cache, 30, interval=0.2, what=f"engine {s.url} to reset its prefix cache")
+    # vLLM 0.32 publishes the reset's AllBlocksCleared only at the engine's next step: one
+    # request shorter than a block (nothing cached, nothing published but the clear) makes it.
+    flush([s.url for s in fleet.servers])
+    for s in fleet.servers:
+        wait_until(lambda s=s: engine_busy(s.url) == 0, 60, what=f"engine {s.url} to be idle")
     if ours is not None:
         ours.wait_index_empty()
+
+
+def flush(engine_urls: list[str]) -> None:
+    from openai import OpenAI
+
+    for url in engine_urls:
+        with OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                      max_tokens=1, temperature=0)
 
 
 def one_run(router: str, rnd: int, fleet, events, ours: Ours | None, reqs: list[ChatRequest],

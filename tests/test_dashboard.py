@@ -389,7 +389,8 @@ def test_every_query_returns_data_from_prometheus(dash, tmp_path):
                        for s in fam.samples}
             assert metrics[("kvevents_gateway_retries_total", (("reason", "5xx"),))] >= 1
             assert metrics[("kvevents_gateway_requests_total",
-                            (("engine", "engine-1"), ("model_name", "llama"), ("status", "200")))] == 10
+                            (("engine", "engine-1"), ("model_name", "llama"), ("status", "200")))] == 10, \
+                {k: v for k, v in metrics.items() if k[0] == "kvevents_gateway_requests_total"}
             key = (("engine", "engine-1"), ("model_name", "llama"))
             predicted = metrics[("kvevents_gateway_predicted_cached_tokens_total", key)]
             reported = metrics[("kvevents_gateway_reported_cached_tokens_total", key)]

@@ -78,6 +78,9 @@ def run_server(settings: AggregatorSettings) -> int:
         print(f"kvevents serve: error: {exc}", file=sys.stderr)
         return 2
     tune_gc()
+    # httpx logs every request at INFO: the gateway's requests and its /metrics polls
+    # (every engine, every second) would flood the log. Its warnings still show.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     sock = bind_socket(settings.host, settings.port)
     for engine in settings.engines:
         log.info("following %s at %s%s", engine.name, engine.endpoint,

@@ -359,13 +359,15 @@ class Gateway:
             # until the engine finishes, which is what closing the upstream must prevent.
             gone = asyncio.ensure_future(_disconnected(request))
             reader = upstream.aiter_raw().__aiter__()
+            read: asyncio.Future | None = None
             try:
                 while True:
                     read = asyncio.ensure_future(reader.__anext__())
                     await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
                     if not read.done():
                         read.cancel()
-                        status = 499
+                        if not _complete(tail):
+                            status = 499
                         break
                     try:
                         chunk = read.result()
@@ -382,11 +384,14 @@ class Gateway:
                 status = 502
                 log.warning("engine %s broke off a streamed answer: %s", engine, exc)
                 yield b"data: " + error_body(502, f"engine {engine} broke off its answer: {exc}") + b"\n\n"
-            except BaseException:
-                status = 499  # the client went away (Starlette cancels the stream)
+            except BaseException:  # the client went away (Starlette cancels the stream)
+                if not _complete(tail):
+                    status = 499
                 raise
             finally:
                 gone.cancel()
+                if read is not None and not read.done():
+                    read.cancel()  # (Starlette cancelled us mid-wait)
                 with anyio.CancelScope(shield=True):  # close the upstream even when cancelled
                     await upstream.aclose()
                 self._finished(engine, prefill)
@@ -423,6 +428,12 @@ class Gateway:
                                    "owned_by": "kvevents"})
         return Response(json.dumps({"object": "list", "data": list(data.values())}),
                         media_type="application/json")
+
+
+def _complete(tail: bytes) -> bool:
+    """Whether a streamed answer got to its end marker: a client that leaves right after
+    ``[DONE]`` (before the engine closed the stream) had its whole answer."""
+    return tail.rstrip().endswith(b"data: [DONE]")
 
 
 def expected_cached(decision: RouteDecision, prompt_tokens: int) -> int:
