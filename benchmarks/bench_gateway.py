@@ -42,7 +42,8 @@ requests (the official ``openai`` client, ``stream_options.include_usage``),
 
 Per run: prefix-cache hit tokens as the engines report them (deltas of
 ``vllm:prefix_cache_hits_total`` and ``vllm:prefix_cache_queries_total``, summed over
-engines), TTFT p50/p90 (client side, to the first streamed content token), e2e p50,
+engines), TTFT p50/p90 (client side, to the first streamed chunk with a choice: vLLM
+sends it with the first token), e2e p50,
 requests per engine (deltas of each engine's ``vllm:request_success_total``: the same
 measure for every router), failures (must be 0), and the latency the router adds to a
 one-token chat completion (``max_tokens=1``, a short prompt, ``--latency-probes``
@@ -204,13 +205,15 @@ async def _one(client, req: ChatRequest) -> Outcome:
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         usage = None
         async for chunk in stream:
-            if out.ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            # The first chunk with a choice: vLLM sends it with the first generated token
+            # (its text may be empty: a token that completes no character).
+            if out.ttft is None and chunk.choices:
                 out.ttft = time.perf_counter() - t0
             if chunk.usage is not None:
                 usage = chunk.usage
         out.e2e = time.perf_counter() - t0
         if out.ttft is None:
-            out.failed = "no content token"
+            out.failed = "no choice chunk"
         if usage is None:
             out.failed = out.failed or "no usage chunk"
         else:
