@@ -14,6 +14,7 @@ from kvevents.api.errors import ApiError
 from kvevents.api.models import (ERRORS, EngineBlocksResponse, EngineCreate, EnginesResponse,
                                  PodBlocksResponse, PodsResponse)
 from kvevents.engines import EngineBudgetError, EngineExistsError, EngineSpec
+from kvevents.gateway.load import TargetLoad
 from kvevents.service.aggregator import Aggregator
 
 router = APIRouter(prefix="/v1/engines", tags=["engines"])
@@ -34,7 +35,9 @@ def with_gateway(request: Request, engines: list[dict]) -> list[dict]:
     gateway = getattr(request.app.state, "gateway", None)
     for entry in engines:
         if gateway is not None and entry.get("http"):
-            t = gateway.loads.of(entry["name"])
+            # Read only: this handler runs on a worker thread, and the load table belongs
+            # to the event loop (``of`` would insert a missing engine).
+            t = gateway.loads.targets.get(entry["name"]) or TargetLoad()
             entry["gateway"] = {"reachable": t.reachable, "inflight": t.inflight,
                                 "others_load": t.others, "kv_usage": t.kv_usage,
                                 "last_error": t.last_error,
