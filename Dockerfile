@@ -37,10 +37,11 @@ USER kvevents
 EXPOSE 5557 5558 5560 9100
 CMD ["python", "-m", "kvevents.sim.process", "--name", "engine-0"]
 
-# The aggregator: the base install only (no torch, no httpx).
+# The aggregator: the base install and the k8s extra (lightkube, for
+# --discover-k8s-selector, deploy/kubernetes); no torch.
 FROM base AS aggregator
 COPY --from=wheel /wheels /wheels
-RUN pip install /wheels/kvevents-*.whl && rm -rf /wheels
+RUN pip install "$(echo /wheels/kvevents-*.whl)[k8s]" && rm -rf /wheels
 USER kvevents
 # 8090: HTTP API, /metrics and the live page.
 EXPOSE 8090

@@ -53,16 +53,17 @@ $(VLLM_STAMP): $(STAMP)
 
 vllm: $(VLLM_STAMP)
 
-# Prometheus and Chromium (Debian packages) for the tests that run them for real.
+# Prometheus, Chromium and dnsmasq (Debian packages) for the tests that run them for real.
 # Installed when missing and we may (root with apt-get, NO_SYSTEM_DEPS unset), saying so
 # first; otherwise those tests skip locally, and fail under CI=true.
 system-deps:
 	@missing=""; \
 	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	{ command -v dnsmasq || test -x /usr/sbin/dnsmasq; } >/dev/null 2>&1 || missing="$$missing dnsmasq-base"; \
 	if [ -n "$$missing" ]; then \
 	  if [ -z "$(NO_SYSTEM_DEPS)" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing$$missing (Debian packages, apt-get) for the real-Prometheus/Chromium tests;" \
+	    echo "installing$$missing (Debian packages, apt-get) for the real-Prometheus/Chromium/DNS tests;" \
 	         "NO_SYSTEM_DEPS=1 skips this"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 	      || echo "warning: could not install$$missing"; \

@@ -25,6 +25,10 @@ engine's next step; a few requests warm the engines up before the first round):
   events at ``tcp://127.0.0.1:PORT``, ``http=`` its OpenAI server, ``--tokenizer``
   the model's); before each of its runs, its index must show both engines empty (the
   reset publishes ``AllBlocksCleared``);
+* ``ours_x2``: two such replicas, each following every engine itself (nothing shared
+  between them), the workload's requests alternating between them (request i to
+  replica i mod 2), as a Service spreads them; its hit tokens and requests per engine
+  are compared with ``ours`` (one replica) on the same workload;
 * vllm-router 0.1.17 (the ``bench`` extra) ``round_robin``, ``cache_aware`` and
   ``kv_aware`` (the last told each engine's event and replay endpoints with
   ``--kv-event-source URL=tcp://127.0.0.1:PORT``, ``--kv-event-replay-source``,
@@ -79,7 +83,9 @@ from common import machine, median, percentile, print_table, rerun_in_loopback_n
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"  # the served model name
-ROUTERS = ("ours", "round_robin", "cache_aware", "kv_aware")
+# ours_x2: two `kvevents serve` replicas, each following every engine, requests
+# alternating between them (issue 20: replicas that agree without talking to each other).
+ROUTERS = ("ours", "ours_x2", "round_robin", "cache_aware", "kv_aware")
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
 BLOCKS, MAX_MODEL_LEN = 48, 1504  # KV blocks per engine (x 32 tokens); vLLM keeps one block back: 47 x 32
 MAX_PROMPT = 1400  # prompt tokens at most (MAX_MODEL_LEN minus max_tokens and margin)
@@ -225,13 +231,16 @@ async def _one(client, req: ChatRequest) -> Outcome:
     return out
 
 
-async def run_workload(base_url: str, reqs: list[ChatRequest], concurrency: int,
+async def run_workload(base_url: str | list[str], reqs: list[ChatRequest], concurrency: int,
                        timeout: float) -> list[Outcome]:
     """Every request, ``concurrency`` at a time, in order, a session's turns one after the
-    other (a turn waits for the previous one to end)."""
+    other (a turn waits for the previous one to end). Several base URLs: request i goes
+    to URL i mod n (replicas behind one address, alternating)."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    urls = [base_url] if isinstance(base_url, str) else base_url
+    clients = [AsyncOpenAI(base_url=u + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+               for u in urls]
     outcomes: list[Outcome | None] = [None] * len(reqs)
     pending = list(reqs)
     busy: set[str] = set()
@@ -249,7 +258,7 @@ async def run_workload(base_url: str, reqs: list[ChatRequest], concurrency: int,
                         busy.add(req.session)
                         break
                     await changed.wait()
-            outcomes[req.index] = await _one(client, req)
+            outcomes[req.index] = await _one(clients[req.index % len(clients)], req)
             async with changed:
                 busy.discard(req.session)
                 changed.notify_all()
@@ -257,7 +266,8 @@ async def run_workload(base_url: str, reqs: list[ChatRequest], concurrency: int,
     try:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
     return [o for o in outcomes if o is not None]
 
 
@@ -388,12 +398,13 @@ def _tail(path: Path, chars: int = 3000) -> str:
 class Ours:
     """One ``kvevents serve`` (aggregator + gateway) for the whole benchmark."""
 
-    def __init__(self, fleet, events: list[tuple[int, int]], model_dir: Path, workdir: Path) -> None:
+    def __init__(self, fleet, events: list[tuple[int, int]], model_dir: Path, workdir: Path,
+                 tag: str = "") -> None:
         from kvevents.demo.fleet import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = workdir / "kvevents-serve.log"
+        self.log = workdir / f"kvevents-serve{tag}.log"
         self.cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1",
                     "--port", str(self.port), "--tokenizer", f"{MODEL}={model_dir}",
                     "--log-level", "warning"]
@@ -495,7 +506,7 @@ class VllmRouter:
 # ---- one run --------------------------------------------------------------------------------
 
 
-def reset_caches(fleet, ours: Ours | None) -> None:
+def reset_caches(fleet, ours: list[Ours]) -> None:
     for s in fleet.servers:
         wait_until(lambda s=s: engine_busy(s.url) == 0, 120, what=f"engine {s.url} to be idle")
     for s in fleet.servers:  # refused while a block is held: retry
@@ -505,8 +516,8 @@ def reset_caches(fleet, ours: Ours | None) -> None:
     flush([s.url for s in fleet.servers])
     for s in fleet.servers:
         wait_until(lambda s=s: engine_busy(s.url) == 0, 60, what=f"engine {s.url} to be idle")
-    if ours is not None:
-        ours.wait_index_empty()
+    for o in ours:
+        o.wait_index_empty()
 
 
 def flush(engine_urls: list[str]) -> None:
@@ -518,17 +529,17 @@ def flush(engine_urls: list[str]) -> None:
                                       max_tokens=1, temperature=0)
 
 
-def one_run(router: str, rnd: int, fleet, events, ours: Ours | None, reqs: list[ChatRequest],
+def one_run(router: str, rnd: int, fleet, events, ours: list[Ours], reqs: list[ChatRequest],
             a, workdir: Path) -> dict:
     urls = [s.url for s in fleet.servers]
     row: dict = {"round": rnd, "router": router, "requests": len(reqs)}
     vr = None
     try:
-        reset_caches(fleet, ours if router == "ours" else None)
-        if router == "ours":
-            assert ours is not None
-            base = ours.url
-            gw_before = ours.metrics()
+        mine = ours[:2] if router == "ours_x2" else ours[:1] if router == "ours" else []
+        reset_caches(fleet, mine)
+        if mine:
+            base = [o.url for o in mine]
+            gw_before = [o.metrics() for o in mine]
         else:
             vr = VllmRouter(router, fleet, events, workdir, f"{router}-r{rnd}")
             vr.start()
@@ -562,10 +573,13 @@ def one_run(router: str, rnd: int, fleet, events, ours: Ours | None, reqs: list[
             "requests_per_engine": [int(d["success"]) for d in delta],
             "engine_hits": [int(d["hits"]) for d in delta],
         })
-        if router == "ours":
-            text = ours.metrics()
-            row["gateway"] = {k: metric_sum(text, f"kvevents_gateway_{k}_total") - metric_sum(gw_before, f"kvevents_gateway_{k}_total")
+        if mine:
+            texts = [o.metrics() for o in mine]
+            row["gateway"] = {k: sum(metric_sum(t, f"kvevents_gateway_{k}_total") - metric_sum(b, f"kvevents_gateway_{k}_total")
+                                     for t, b in zip(texts, gw_before))
                               for k in ("predicted_cached_tokens", "reported_cached_tokens", "retries")}
+            row["requests_per_replica"] = [int(metric_sum(t, "kvevents_gateway_requests_total") - metric_sum(b, "kvevents_gateway_requests_total"))
+                                           for t, b in zip(texts, gw_before)]
         else:
             text = vr.metrics()
             row["router_kv_metrics"] = metric_samples(text, "vllm_router_kv_")
@@ -575,7 +589,7 @@ def one_run(router: str, rnd: int, fleet, events, ours: Ours | None, reqs: list[
             if rejected:
                 row["invalid"] = (f"vllm_router_kv_routing_inputs_total{{result=\"preparation_rejected\"}} = "
                                   f"{rejected:g}: its KV-aware inputs fell back")
-        row["latency"] = probe_latency(base, urls, a.latency_probes)
+        row["latency"] = probe_latency(base[0] if isinstance(base, list) else base, urls, a.latency_probes)
         if row["failures"]:
             row["invalid"] = (row.get("invalid", "") + f" {row['failures']} failed requests").strip()
     except Exception as exc:  # noqa: BLE001 (a router that does not work is reported, not fatal)
@@ -665,7 +679,7 @@ def inner(a) -> int:
                       log_dir=run_dir, served_model_name=MODEL, num_gpu_blocks=BLOCKS,
                       max_model_len=MAX_MODEL_LEN, env=env,
                       extra_args=["--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor"])
-    ours = None
+    ours: list[Ours] = []
     rows: list[dict] = []
     t_start = time.monotonic()
     try:
@@ -673,9 +687,10 @@ def inner(a) -> int:
         print(f"engines ready in {time.monotonic() - t_start:.0f} s: "
               + ", ".join(f"{s.url} (core {s.env['VLLM_CPU_OMP_THREADS_BIND']})" for s in fleet.servers)
               + f"; logs in {run_dir}")
-        if "ours" in routers:  # first: it must see the warm-up's events (and the resets) live
-            ours = Ours(fleet, events, model_dir, run_dir)
-            ours.start()
+        # Ours first: it must see the warm-up's events (and the resets) live.
+        for i in range(2 if "ours_x2" in routers else 1 if "ours" in routers else 0):
+            ours.append(Ours(fleet, events, model_dir, run_dir, f"-{i}"))
+            ours[-1].start()
         warm_up([s.url for s in fleet.servers], reqs)  # the first run must not pay the engines' first steps
         for rnd in range(a.rounds):
             k = rnd % len(routers)
@@ -685,8 +700,8 @@ def inner(a) -> int:
                 print_table(HEADERS, [_row(row)])
                 sys.stdout.flush()
     finally:
-        if ours is not None:
-            ours.stop()
+        for o in ours:
+            o.stop()
         fleet.stop()
     print()
     print("all runs:")

@@ -98,8 +98,9 @@ def test_images_aggregator_without_torch_engine_with_it(compose):
     assert list(stages) == ["base", "wheel", "engine", "aggregator"]  # plain `docker build`: the aggregator
     assert stages["base"].startswith("FROM python:3.11-slim\n")
     agg = stages["aggregator"]
-    assert "torch" not in agg and "[" not in agg.split("pip install", 1)[1].splitlines()[0], agg
-    assert re.search(r"^RUN pip install /wheels/kvevents-\*\.whl ", agg, re.M)
+    # The aggregator image: the base install plus the k8s extra (pod discovery), no torch.
+    assert "torch" not in agg and "[demo]" not in agg and "[connector]" not in agg, agg
+    assert re.search(r'^RUN pip install "\$\(echo /wheels/kvevents-\*\.whl\)\[k8s\]"', agg, re.M)
     assert re.search(r'CMD \["kvevents", "serve", "--host", "0.0.0.0", "--port", "8090"\]', agg)
     eng = stages["engine"]
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in eng

@@ -28,8 +28,8 @@ KVEVENTS = ROOT / "kvevents"
 CONNECTOR = ROOT / "connector"
 
 #: The packages of kvevents/ in data-flow order: each may import only those before it.
-ORDER = ["wire", "ingest", "engines", "index", "text", "service", "routing", "gateway", "api",
-         "sim", "demo", "cli"]
+ORDER = ["wire", "ingest", "engines", "index", "text", "service", "discovery", "routing",
+         "gateway", "api", "sim", "demo", "cli"]
 #: Modules at the top of kvevents/ that any package may import (they import none of ours).
 TOP = {"kvevents", "kvevents.defaults", "kvevents._compat"}
 MAX_LINES = 500

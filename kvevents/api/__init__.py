@@ -21,6 +21,7 @@ from kvevents.api import (routes_engines, routes_openai, routes_ops, routes_quer
 from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
 from kvevents.api.limits import BodySizeLimit
+from kvevents.discovery import Discovery, build_sources
 from kvevents.gateway import Gateway, GatewayMetrics
 from kvevents.routing import Router
 from kvevents.service.aggregator import Aggregator
@@ -44,6 +45,10 @@ def create_app(
         if own:
             agg.start()
         app.state.aggregator = agg
+        # Engines found by DNS / Kubernetes (none configured: no threads at all).
+        app.state.discovery = Discovery(agg, sources, grace_s=settings.discover_grace_s,
+                                        first_round_timeout_s=settings.recovery_timeout_s)
+        app.state.discovery.start()
         app.state.routing = Router(agg)
         app.state.gateway = Gateway(
             app.state.routing, app.state.tokenizers, GatewayMetrics(agg.registry),
@@ -55,6 +60,7 @@ def create_app(
             yield
         finally:
             await app.state.gateway.stop()
+            app.state.discovery.stop()
             if own:
                 agg.stop()
 
@@ -67,6 +73,9 @@ def create_app(
     )
     install_error_handlers(app)
     install_body_schemas(app)
+    # Built now, not in the lifespan: a bad value or a missing extra stops startup
+    # with one clear line (the sources start in the lifespan).
+    sources = build_sources(settings)
     # Loaded now, not in the lifespan: a bad tokenizer path stops startup with its name.
     app.state.tokenizers = TokenizerRegistry.load(settings.tokenizers)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,

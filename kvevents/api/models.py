@@ -111,6 +111,15 @@ class EngineOut(BaseModel):
     routable: bool = Field(True, description="False once down for --down-after seconds: "
                                              "its blocks are not offered for routing.")
     restore: str | None = Field(None, description="'resumed' when restored from a snapshot.")
+    origin: str = Field("static", description="Who asked to follow it: 'static' (settings), "
+                                              "'api', or a discovery source ('dns:NAME', "
+                                              "'k8s:NAMESPACE/SELECTOR').")
+    leaving_since: float | None = Field(
+        None, description="Wall time its discovery source stopped listing it: not routable, "
+                          "dropped after --discover-grace unless it returns.")
+    recovery_given_up: bool = Field(
+        False, description="Its first replay did not finish within --recovery-timeout: "
+                           "readiness no longer waits for it (still followed).")
     replay_gap: dict[str, int | None] | None = Field(
         None, description="While replaying: the seq awaited, the first held-back live seq "
                           "and the bytes held back.")

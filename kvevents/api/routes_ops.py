@@ -35,17 +35,31 @@ def healthz(agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ingest["ok"] else 503)
 
 
-@router.get("/readyz", summary="Readiness: 200 once every engine finished its initial replay",
-            responses={503: {"description": "engines still replaying their history"}})
-def readyz(agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
+@router.get("/readyz", summary="Readiness: 200 once discovery has found the fleet and every "
+                                "engine finished its initial replay",
+            responses={503: {"description": "engines still replaying their history, or a "
+                                            "discovery source's first round not done"}})
+def readyz(request: Request, agg: Aggregator = Depends(get_aggregator)) -> JSONResponse:
     ready = agg.readiness()
     ingest = agg.ingest_health()
-    ok = ready["ready"] and ingest["ok"]
+    discovery = request.app.state.discovery.readiness()
+    ok = ready["ready"] and ingest["ok"] and discovery["ready"]
     body = {"status": "ready" if ok else "not ready", "waiting": ready["waiting"][:100],
-            "waiting_count": len(ready["waiting"])}
+            "waiting_count": len(ready["waiting"]), "given_up": ready["given_up"][:100],
+            "given_up_count": len(ready["given_up"]),
+            "waiting_sources": discovery["waiting_sources"]}
     if not ingest["ok"]:
         body["error"] = ingest["reason"]
     return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/v1/discovery", summary="Discovery sources: what each watches, its last round, "
+                                     "the engines it lists and those leaving")
+def discovery(request: Request) -> dict:
+    disc = request.app.state.discovery
+    return {"sources": disc.status(), "grace_s": disc.grace_s,
+            "reconcile_errors": disc.reconcile_errors, "added": disc.added,
+            "removed": disc.removed, "sources_given_up": disc.sources_given_up}
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)

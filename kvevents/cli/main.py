@@ -122,6 +122,38 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-poll-interval", type=float, default=None, dest="engine_poll_interval_s",
                    metavar="SECONDS", help="seconds between reads of each engine's /metrics "
                                            "(default: {default})")
+    d = p.add_argument_group(
+        "discovery", "find engines as the fleet scales (any combination, with --endpoint)")
+    d.add_argument("--discover-dns", action="append", default=None, metavar="NAME",
+                   help="a DNS name whose A/AAAA records are engines, e.g. a headless Service "
+                        "(repeatable; env KVEVENTS_DISCOVER_DNS, ';'-separated; default: none)")
+    d.add_argument("--discover-interval", type=float, default=None, dest="discover_interval_s",
+                   metavar="SECONDS", help="seconds between DNS resolutions (default: {default})")
+    d.add_argument("--dns-server", default=None, metavar="HOST[:PORT]",
+                   help="ask this DNS server instead of the system resolver (default: system)")
+    d.add_argument("--discover-k8s-selector", default=None, metavar="SELECTOR",
+                   help="follow Running, Ready pods matching this label selector, e.g. "
+                        "app.kubernetes.io/name=vllm (needs the k8s extra; default: none)")
+    d.add_argument("--discover-k8s-namespace", default=None, metavar="NAMESPACE",
+                   help="their namespace (default: this pod's own, else the kubeconfig's)")
+    d.add_argument("--discover-events-port", type=int, default=None, metavar="PORT",
+                   help="discovered engines' KV events port; rank r at +r (default: {default})")
+    d.add_argument("--discover-replay-port", type=int, default=None, metavar="PORT",
+                   help="their replay port, 0 for none; rank r at +r (default: {default})")
+    d.add_argument("--discover-http-port", type=int, default=None, metavar="PORT",
+                   help="their OpenAI server's port, 0 for none (default: {default})")
+    d.add_argument("--discover-dp-size", type=int, default=None, metavar="N",
+                   help="data-parallel ranks per discovered server (default: {default})")
+    d.add_argument("--discover-model", default=None, metavar="MODEL",
+                   help="model of discovered engines (pods: annotation kvevents.io/model; "
+                        "default: none)")
+    d.add_argument("--discover-grace", type=float, default=None, dest="discover_grace_s",
+                   metavar="SECONDS", help="seconds a vanished engine keeps its state, unroutable, "
+                                           "before it is dropped (default: {default})")
+    d.add_argument("--recovery-timeout", type=float, default=None, dest="recovery_timeout_s",
+                   metavar="SECONDS", help="seconds readiness waits for an engine's first replay "
+                                           "(or a source's first round) before giving up on it "
+                                           "(default: {default})")
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="HTTP server log level (default: {default})")
@@ -173,6 +205,14 @@ def _serve(args: argparse.Namespace) -> int:
             tokenizers=args.tokenizer, api_key=args.api_key,
             request_timeout_s=args.request_timeout_s, max_inflight=args.max_inflight,
             engine_poll_interval_s=args.engine_poll_interval_s,
+            discover_dns=args.discover_dns, discover_interval_s=args.discover_interval_s,
+            dns_server=args.dns_server, discover_k8s_selector=args.discover_k8s_selector,
+            discover_k8s_namespace=args.discover_k8s_namespace,
+            discover_events_port=args.discover_events_port,
+            discover_replay_port=args.discover_replay_port,
+            discover_http_port=args.discover_http_port, discover_dp_size=args.discover_dp_size,
+            discover_model=args.discover_model, discover_grace_s=args.discover_grace_s,
+            recovery_timeout_s=args.recovery_timeout_s,
         )
     except SettingsError as exc:
         return fail("kvevents serve", exc.lines)

@@ -15,6 +15,7 @@ import sys
 import uvicorn
 
 from kvevents.api import create_app
+from kvevents.discovery import DiscoveryConfigError
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerLoadError
 
@@ -74,13 +75,14 @@ def run_server(settings: AggregatorSettings) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         app = create_app(settings)
-    except TokenizerLoadError as exc:  # one line naming the model and file, no traceback
+    except (TokenizerLoadError, DiscoveryConfigError) as exc:  # one line, no traceback
         print(f"kvevents serve: error: {exc}", file=sys.stderr)
         return 2
     tune_gc()
     # httpx logs every request at INFO: the gateway's requests and its /metrics polls
     # (every engine, every second) would flood the log. Its warnings still show.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # lightkube's (pod discovery)
     sock = bind_socket(settings.host, settings.port)
     for engine in settings.engines:
         log.info("following %s at %s%s", engine.name, engine.endpoint,

@@ -15,7 +15,12 @@ open sockets or touch the index. The service performs what it decides
 * Status: ``live`` (a message within ``stale_after_s``), ``stale`` (connected but
   silent, or never heard from), ``down`` (no connection to the publisher). An engine
   down for ``down_after_s`` is not *routable*: its blocks stay in the index and in
-  lookups, but routing does not offer it.
+  lookups, but routing does not offer it. Nor is an engine *leaving*: its discovery
+  source no longer lists it and it waits out the grace period (:meth:`set_leaving`).
+* Recovery: an engine whose first contact (the initial replay) has not finished
+  ``recovery_timeout_s`` after it was added is *given up on* (:meth:`give_up_overdue`):
+  readiness stops waiting for it, once, counted; it is still followed and recovers
+  on its own when its publisher answers.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class EngineState:
     resyncs: int = 0  # times its state was dropped after a loss
     restore: str | None = None  # continuity outcome when restored from a snapshot
     down_since: float | None = None  # monotonic time it was last seen disconnected
+    added_mono: float = 0.0  # monotonic time it was added (the recovery clock)
+    leaving_since: float | None = None  # wall time its source stopped listing it
+    given_up: bool = False  # first contact overdue: readiness no longer waits for it
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,8 @@ class EngineRegistry:
                 raise EngineBudgetError(
                     f"the socket budget allows {self.max_engines} engines and all are in "
                     "use: remove one, or raise the open-file limit or max_engines")
-            state = EngineState(spec, time.time(), origin, down_since=time.monotonic())
+            now = time.monotonic()
+            state = EngineState(spec, time.time(), origin, down_since=now, added_mono=now)
             self._engines[spec.name] = state
             return state
 
@@ -159,12 +168,41 @@ class EngineRegistry:
                 elif state.down_since is None:
                     state.down_since = now
 
+    def set_leaving(self, name: str, leaving: bool) -> bool:
+        """Mark an engine as leaving (not routable, state kept) or back; False if unknown."""
+        with self._lock:
+            state = self._engines.get(name)
+            if state is None:
+                return False
+            if not leaving:
+                state.leaving_since = None
+            elif state.leaving_since is None:
+                state.leaving_since = time.time()
+            return True
+
+    def give_up_overdue(self, stats: Mapping[str, SourceStats], timeout_s: float) -> list[str]:
+        """Engines whose initial replay is ``timeout_s`` overdue, newly given up on now
+        (each engine once per time it was added); those done meanwhile are cleared."""
+        now = time.monotonic()
+        newly = []
+        with self._lock:
+            for name, state in self._engines.items():
+                st = stats.get(name)
+                if st is not None and st.initial_replay_done:
+                    state.given_up = False
+                elif not state.given_up and now - state.added_mono >= timeout_s:
+                    state.given_up = True
+                    newly.append(name)
+        return newly
+
     def routable(self, state: EngineState) -> bool:
+        if state.leaving_since is not None:
+            return False
         return not (state.down_since is not None
                     and time.monotonic() - state.down_since >= self.down_after_s)
 
     def unroutable(self) -> set[str]:
-        """Engines disconnected for at least ``down_after_s``."""
+        """Engines disconnected for at least ``down_after_s``, and leaving ones."""
         with self._lock:
             return {n for n, s in self._engines.items() if not self.routable(s)}
 
@@ -200,4 +238,7 @@ class EngineRegistry:
             "malformed": st.malformed_frames + st.decode_errors,
             "routable": self.routable(state),
             "restore": state.restore,
+            "origin": state.origin,
+            "leaving_since": state.leaving_since,
+            "recovery_given_up": state.given_up,
         }

@@ -34,11 +34,15 @@ from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import httpx
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvevents.engines import EngineSpec
+from kvevents.gateway.answers import (answer_headers, cached_tokens, expected_cached, is_complete,
+                                      stream_cached_tokens)
 from kvevents.gateway.errors import OpenAIError, error_body
+from kvevents.gateway.inflight import InflightPrompts
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
@@ -72,6 +76,7 @@ class Gateway:
         self.poll_interval_s = poll_interval_s
         self.max_prompt_tokens = max_prompt_tokens
         self.loads = EngineLoads(prefill_tokens_per_request)
+        self.flights = InflightPrompts()  # prompts sent and not finished, per engine
         self.sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.inflight = 0
         self.client: httpx.AsyncClient | None = None
@@ -105,6 +110,7 @@ class Gateway:
         urls = {s.name: s.http + "/metrics" for s in self.aggregator.engine_specs() if s.http}
         for gone in self._known - set(urls):
             self.metrics.forget_engine(gone)
+        self.flights.forget(set(urls))
         self._known = set(urls)
         return urls
 
@@ -112,9 +118,10 @@ class Gateway:
 
     def targets(self, model: str | None) -> list[EngineSpec]:
         """Engines with an OpenAI server that serve ``model`` (an engine without a model
-        in its spec serves any)."""
-        return [s for s in self.aggregator.engine_specs()
-                if s.http and (model is None or s.model is None or s.model == model)]
+        in its spec serves any); leaving engines (gone from their discovery source) are not."""
+        leaving = self.aggregator.leaving_engines()
+        return [s for s in self.aggregator.engine_specs() if s.http and s.name not in leaving
+                and (model is None or s.model is None or s.model == model)]
 
     def served_models(self) -> list[str]:
         return sorted({s.model for s in self.aggregator.engine_specs() if s.http and s.model})
@@ -173,13 +180,15 @@ class Gateway:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP
                    and not (self.api_key and k.lower() == "authorization")}
         tried: set[str] = set()
+        arr = None if ids is None else np.asarray(ids, dtype=np.int64)
         while True:
-            decision = await self._decide(ids, model, by_name, tried, session)
+            decision = await self._decide(ids, arr, model, by_name, tried, session)
             engine = by_name[decision.engine]
             predicted = expected_cached(decision, len(ids) if ids else 0)
-            prefill = max(0, (len(ids) if ids else 0) - predicted)
+            prefill = (max(0, (len(ids) if ids else 0) - predicted),
+                       None if arr is None else self.flights.add(engine.name, arr))
             self._announce(decision, model, ids, session)
-            self.loads.started(engine.name, prefill)
+            self.loads.started(engine.name, prefill[0])
             self.metrics.inflight.labels(engine.name).inc()
             try:
                 upstream = await self._send(request, engine, req, headers)
@@ -220,13 +229,14 @@ class Gateway:
             raise OpenAIError(400, f"model is required: the engines serve {', '.join(served)}", "model")
         return served[0] if served else None
 
-    async def _decide(self, ids: Sequence[int] | None, model: str | None,
+    async def _decide(self, ids: Sequence[int] | None, arr: np.ndarray | None, model: str | None,
                       by_name: dict[str, EngineSpec], tried: set[str], session: str | None
                       ) -> RouteDecision:
         names = [n for n in by_name if n not in tried]
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
-        candidates = [Candidate(n, self.loads.load(n)) for n in names]
+        flying = {} if arr is None else self.flights.matches(arr, names)
+        candidates = [Candidate(n, self.loads.load(n), flying.get(n, 0)) for n in names]
         decision = await self.router.choose(ids, model, None, candidates)
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:
@@ -296,8 +306,11 @@ class Gateway:
             return "5xx"
         return None
 
-    def _finished(self, engine: str, prefill: int) -> None:
-        self.loads.finished(engine, prefill)
+    def _finished(self, engine: str, prefill: tuple[int, tuple | None]) -> None:
+        """A request's end: its prefill tokens and its prompt leave the engine's load."""
+        self.loads.finished(engine, prefill[0])
+        if prefill[1] is not None:
+            self.flights.remove(prefill[1])
         self.metrics.inflight.labels(engine).dec()
 
     def _count(self, engine: str, model: str | None, status: int, t0: float,
@@ -317,7 +330,7 @@ class Gateway:
             t.usage_reports += 1
 
     async def _whole(self, request: Request, upstream: httpx.Response, engine: str,
-                     model: str | None, predicted: int, prefill: int, t0: float) -> Response:
+                     model: str | None, predicted: int, prefill: tuple, t0: float) -> Response:
         """A non-streamed answer (or an engine's error), read whole while watching the client."""
         read = asyncio.ensure_future(upstream.aread())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -341,12 +354,12 @@ class Gateway:
             return error.response()
         body = read.result()
         status = upstream.status_code
-        cached = _cached_tokens(body) if status < 400 else None
+        cached = cached_tokens(body) if status < 400 else None
         self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
-        return Response(body, status_code=status, headers=_answer_headers(upstream, engine))
+        return Response(body, status_code=status, headers=answer_headers(upstream, engine))
 
     def _stream(self, request: Request, upstream: httpx.Response, engine: str, model: str | None,
-                predicted: int, prefill: int, t0: float) -> StreamingResponse:
+                predicted: int, prefill: tuple, t0: float) -> StreamingResponse:
         """A streamed answer, passed through chunk by chunk as the engine sends it."""
         m = model or ""
 
@@ -366,7 +379,7 @@ class Gateway:
                     await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
                     if not read.done():
                         read.cancel()
-                        if not _complete(tail):
+                        if not is_complete(tail):
                             status = 499
                         break
                     try:
@@ -385,7 +398,7 @@ class Gateway:
                 log.warning("engine %s broke off a streamed answer: %s", engine, exc)
                 yield b"data: " + error_body(502, f"engine {engine} broke off its answer: {exc}") + b"\n\n"
             except BaseException:  # the client went away (Starlette cancels the stream)
-                if not _complete(tail):
+                if not is_complete(tail):
                     status = 499
                 raise
             finally:
@@ -395,11 +408,11 @@ class Gateway:
                 with anyio.CancelScope(shield=True):  # close the upstream even when cancelled
                     await upstream.aclose()
                 self._finished(engine, prefill)
-                cached = _stream_cached_tokens(tail) if status < 400 else None
+                cached = stream_cached_tokens(tail) if status < 400 else None
                 self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
 
         return StreamingResponse(chunks(), status_code=upstream.status_code,
-                                 headers=_answer_headers(upstream, engine))
+                                 headers=answer_headers(upstream, engine))
 
     # -- models -----------------------------------------------------------------------------
 
@@ -430,65 +443,9 @@ class Gateway:
                         media_type="application/json")
 
 
-def _complete(tail: bytes) -> bool:
-    """Whether a streamed answer got to its end marker: a client that leaves right after
-    ``[DONE]`` (before the engine closed the stream) had its whole answer."""
-    return tail.rstrip().endswith(b"data: [DONE]")
-
-
-def expected_cached(decision: RouteDecision, prompt_tokens: int) -> int:
-    """The cached tokens the chosen engine should report for this prompt: the matched
-    prefix, less one block when it covers the whole prompt (vLLM always computes the
-    prompt's last token, so a fully cached prompt reports one block less)."""
-    matched = decision.matched_tokens
-    if prompt_tokens and matched >= prompt_tokens and decision.block_size:
-        return max(0, matched - decision.block_size)
-    return matched
-
-
 async def _disconnected(request: Request) -> None:
     """Returns when the client goes away (its body was already read)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def _answer_headers(upstream: httpx.Response, engine: str) -> dict[str, str]:
-    out = {"x-kvevents-engine": engine}
-    for name in ("content-type", "x-request-id", "cache-control"):
-        if name in upstream.headers:
-            out[name] = upstream.headers[name]
-    return out
-
-
-def _usage_cached(doc: object) -> int | None:
-    if not isinstance(doc, dict):
-        return None
-    usage = doc.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if type(cached) is int and cached >= 0 else None
-
-
-def _cached_tokens(body: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a whole answer, if reported."""
-    if b"cached_tokens" not in body:
-        return None
-    try:
-        return _usage_cached(json.loads(body))
-    except ValueError:
-        return None
-
-
-def _stream_cached_tokens(tail: bytes) -> int | None:
-    """The same, from the last usage chunk of a streamed answer (``include_usage``)."""
-    if b"cached_tokens" not in tail:
-        return None
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data:") and b"cached_tokens" in line:
-            try:
-                return _usage_cached(json.loads(line[5:]))
-            except ValueError:
-                return None
-    return None

@@ -184,17 +184,28 @@ class PrefixIndex:
                         "the earliest; counts in counters().refused_events)", engine, reason,
                         detail[1] if detail else reason, _REFUSAL_LOG_INTERVAL_S)
 
-    def drop_engine(self, engine: str) -> None:
+    def drop_engine(self, engine: str, *, forget: bool = False) -> None:
         """Forget everything ``engine`` announced (publisher restart, unrecoverable gap,
-        unsubscribe). Its counters are kept. Unknown engines are ignored."""
+        unsubscribe). Its counters are kept, unless ``forget`` (unsubscribed: nothing of
+        the name is kept, so engines that come and go leave no trace). Unknown engines
+        are ignored."""
         with self.lock:
             pid = self._engines.get(engine)
             if pid is not None:
-                fold(self._core, engine, pid, self._counts)  # its counters outlive its id
+                if not forget:
+                    fold(self._core, engine, pid, self._counts)  # its counters outlive its id
                 self._core.reset_counters(pid)
                 self._engines.remove(engine)
                 self._core.clear_engine(pid)
                 self._prefix_cache.clear()
+            if forget:
+                past = self._counts
+                for key in [k for k in past.applied if k[0] == engine]:
+                    del past.applied[key]
+                for per_engine in (past.unknown, past.orphans, past.ignored, past.refused):
+                    per_engine.pop(engine, None)
+                for key in [k for k in self._refusal_logged if k[0] == engine]:
+                    del self._refusal_logged[key]
 
     # ------------------------------------------------------------------ lookup
 

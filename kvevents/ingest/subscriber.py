@@ -177,8 +177,15 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         the owning thread when running, so the error is then only logged)."""
         self._call(lambda: self._add(config))
 
-    def remove_source(self, name: str) -> None:
-        self._call(lambda: self._remove(name))
+    def remove_source(self, name: str, then: Callable[[], None] | None = None) -> None:
+        """Stop following ``name``. ``then`` runs on the loop thread once its sockets are
+        closed, when no signal of it can follow any more (a consumer drops its state
+        there: batches delivered before the removal ran are dropped with it)."""
+        def remove() -> None:
+            self._remove(name)
+            if then is not None:
+                then()
+        self._call(remove)
 
     def resync(self, name: str, reason: str) -> None:
         """Drop what is known of ``name``'s stream and rebuild it from replay seq 0

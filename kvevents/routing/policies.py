@@ -13,6 +13,10 @@ KV-aware scoring, per candidate::
 
 ``gpu_run`` is the leading prefix the engine holds on the GPU; blocks past it that are
 cached on the CPU tier still save prefill but cost a load, hence the lower CPU weight.
+A candidate's ``inflight_tokens`` (what a gateway knows first-hand: the longest prefix
+of this prompt that a request it sent there and that has not finished starts with)
+counts as a GPU run too: those blocks are held by that request or about to be computed
+for it, while the index learns of them only after their prefill.
 The load guard: a candidate more than ``max_imbalance`` requests busier than the least
 loaded one is not eligible (unless none is), so a hot prefix cannot pile every request
 onto one engine. ``affine`` marks the engine the prompt's distinctive part (the tokens
@@ -61,6 +65,7 @@ class EngineLoad:
 class Candidate:
     engine: str
     load: EngineLoad = field(default_factory=EngineLoad)
+    inflight_tokens: int = 0  # leading prompt tokens in flight there (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -130,13 +135,21 @@ class KVAwarePolicy:
         max_load, min_load = max(loads), min(loads)
         n = max(1, lookup.prompt_tokens)
         w_gpu, w_cpu = cfg.tier_weights.get("GPU", 1.0), cfg.tier_weights.get("CPU", 0.0)
-        affinity = self._affinity(token_ids, candidates, matches)
+        bs = lookup.block_size
+        # Whole blocks only: a partial block is never a hit.
+        flying = {c.engine: min(n, c.inflight_tokens) // bs * bs if bs else min(n, c.inflight_tokens)
+                  for c in candidates}
+        affinity = self._affinity(token_ids, candidates, matches, flying)
         scores = []
         for c, load in zip(candidates, loads):
             m = matches.get(c.engine)
             total = m.tokens if m else 0
             tiers = dict(m.tiers) if m else {}
             gpu = min(tiers.get("GPU", 0), total)
+            if flying[c.engine] > gpu:  # held there by a request in flight: a GPU run
+                gpu = flying[c.engine]
+                total = max(total, gpu)
+                tiers["GPU"] = gpu
             cache = (w_gpu * gpu + w_cpu * (total - gpu)) / n
             score = cache - cfg.load_weight * load / (max_load + 1)
             if c.engine == affinity:
@@ -157,7 +170,7 @@ class KVAwarePolicy:
 
     @staticmethod
     def _affinity(token_ids: Sequence[int], candidates: Sequence[Candidate],
-                  matches: dict) -> str | None:
+                  matches: dict, flying: dict[str, int]) -> str | None:
         """The engine this prompt's *distinctive* part hashes to (rendezvous hashing).
 
         The part every candidate already caches (a shared system prompt) says nothing;
@@ -166,7 +179,8 @@ class KVAwarePolicy:
         same engine even after its blocks were evicted there, so each engine serves a
         stable share of conversations and its cache holds them longer.
         """
-        common = min((matches[c.engine].tokens if c.engine in matches else 0) for c in candidates)
+        common = min(max(matches[c.engine].tokens if c.engine in matches else 0,
+                         flying.get(c.engine, 0)) for c in candidates)
         distinctive = token_ids[common:common + 64]
         if not len(distinctive):  # nothing distinctive (or no ids at all): no affinity
             return None

@@ -24,7 +24,11 @@ Ownership and threads:
   whole snapshot (or a peer's, ``bootstrap_from``), checks each engine's continuity and
   resumes it at the next seq, or drops that engine's restored state (counted).
 * A housekeeping thread records since when each engine is disconnected: an engine down for
-  ``down_after_s`` is not offered for routing (:meth:`unroutable_engines`).
+  ``down_after_s`` is not offered for routing (:meth:`unroutable_engines`), nor is one
+  whose discovery source no longer lists it (*leaving*, during its grace period). It
+  also gives up on engines whose first replay is ``recovery_timeout_s`` overdue:
+  readiness stops waiting for them (counted, logged, on ``GET /v1/engines``), so one
+  dead engine never keeps a replica out of service; they are still followed.
 
 Lifecycle: ``Aggregator(settings)`` -> ``start()`` -> queries / ``add_engine`` /
 ``remove_engine`` / ``reconcile`` from any thread -> ``stop()``.
@@ -94,11 +98,15 @@ class Aggregator:
                                "dropped_engines": 0, "last_write_s": None}
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
+        self.recovery_given_up = 0
         resume = snapshot.restore(self.index, settings, self.snapshot_stats)
         for spec in settings.engines:
             self.add_engine(spec, resume=resume.pop(spec.name, None))
-        for pair in resume.values():  # engines added at run time before the restart
-            self.add_engine(pair[0], resume=pair, origin="api")
+        for pair in resume.values():
+            # Added at run time (``api``) or found by a discovery source before the restart
+            # (or by the peer bootstrapped from): that source reconciles them again.
+            origin = pair[1].origin if pair[1].origin != "static" else "api"
+            self.add_engine(pair[0], resume=pair, origin=origin)
 
     @property
     def apply_errors(self) -> dict[tuple[str, str], int]:
@@ -131,10 +139,10 @@ class Aggregator:
 
     def capture_snapshot(self) -> bytes:
         """The encoded snapshot of now (index + anchors agree)."""
-        specs = {spec.name: asdict(spec) for spec in self.engines.specs()}
+        origins = {st.spec.name: (asdict(st.spec), st.origin) for st in self.engines.states()}
         state, anchors = self.writer.capture()
-        engines = {name: snapshot.EngineAnchor(spec, *anchors.get(name, (None, None)))
-                   for name, spec in specs.items()}
+        engines = {name: snapshot.EngineAnchor(spec, *anchors.get(name, (None, None)), origin)
+                   for name, (spec, origin) in origins.items()}
         return snapshot.encode(snapshot.Snapshot(time.time(), engines, state))
 
     def save_snapshot(self) -> bool:
@@ -159,12 +167,22 @@ class Aggregator:
         next_snapshot = time.monotonic() + self.settings.snapshot_interval_s
         while not self._stop.wait(self._TICK_S):
             try:
-                self.engines.track_down(self._subscriber.stats())
+                stats = self._subscriber.stats()
+                self.engines.track_down(stats)
+                self._give_up_overdue(stats)
                 if self.settings.data_dir and time.monotonic() >= next_snapshot:
                     self.save_snapshot()
                     next_snapshot = time.monotonic() + self.settings.snapshot_interval_s
             except Exception:
                 log.exception("housekeeping failed; continuing")
+
+    def _give_up_overdue(self, stats: dict[str, SourceStats]) -> None:
+        for name in self.engines.give_up_overdue(stats, self.settings.recovery_timeout_s):
+            self.recovery_given_up += 1
+            log.warning("engine %s: no first contact within %.0fs (recovery_timeout_s); "
+                        "readiness no longer waits for it, still following it",
+                        name, self.settings.recovery_timeout_s)
+            self.feed.publish("engine_given_up", {"engine": name})
 
     # -- health ------------------------------------------------------------------------
 
@@ -175,7 +193,8 @@ class Aggregator:
         sub = self._subscriber
         age = time.monotonic() - sub.heartbeat
         out = {"ok": True, "reason": None, "heartbeat_age_seconds": round(age, 3),
-               "loop_errors": sub.loop_errors, "thread_restarts": sub.thread_restarts}
+               "loop_errors": sub.loop_errors, "thread_restarts": sub.thread_restarts,
+               "recovery_given_up": self.recovery_given_up}
         if not self._started or not sub.running():
             out.update(ok=False, reason="ingest is not running")
         elif age > self.settings.ingest_stuck_after_s and len(self.engines):
@@ -199,11 +218,17 @@ class Aggregator:
     def readiness(self) -> dict:
         """Ready when every followed engine finished its initial replay from seq 0 (an engine
         without a replay endpoint has none to wait for; one whose publisher is down
-        keeps the aggregator not ready, listed in ``waiting``)."""
+        keeps the aggregator not ready, listed in ``waiting``, until ``recovery_timeout_s``
+        gives up on it: then it is listed in ``given_up`` instead)."""
         stats = self._subscriber.stats()
-        waiting = sorted(name for name in self.engines.names()
-                         if not (stats.get(name) and stats[name].initial_replay_done))
-        return {"ready": not waiting and self._started, "waiting": waiting}
+        waiting, given_up = [], []
+        for state in self.engines.states():
+            name = state.spec.name
+            if stats.get(name) and stats[name].initial_replay_done:
+                continue
+            (given_up if state.given_up else waiting).append(name)
+        return {"ready": not waiting and self._started, "waiting": sorted(waiting),
+                "given_up": sorted(given_up)}
 
     # -- engines ------------------------------------------------------------------------
 
@@ -226,10 +251,16 @@ class Aggregator:
     def remove_engine(self, name: str) -> None:
         """Unsubscribe and drop the engine's state. Raises ``KeyError`` if unknown."""
         self.engines.remove(name)
-        self._subscriber.remove_source(name)
+        # Dropped now, and again once the subscriber has closed its sockets: batches it
+        # delivered meanwhile (the name may be followed again at once, under a new spec)
+        # must not be merged into the next engine of that name, nor outlive it.
+        self._subscriber.remove_source(name, then=lambda: self._forget(name))
+        self._forget(name)
+        self.feed.publish("engine_removed", {"engine": name})
+
+    def _forget(self, name: str) -> None:
         self.writer.drop(name)
         self.metrics.forget_engine(name)
-        self.feed.publish("engine_removed", {"engine": name})
 
     def reconcile(self, desired: Iterable[EngineSpec], origin: str) -> tuple[list[str], list[str]]:
         """Make the engines of ``origin`` equal ``desired``: follow the new ones, drop the
@@ -274,6 +305,10 @@ class Aggregator:
         """Engines with no connection to their publisher now (no index access: cheap
         enough for the event loop)."""
         return self.engines.down(self._subscriber.stats())
+
+    def leaving_engines(self) -> set[str]:
+        """Engines their discovery source no longer lists, in their grace period."""
+        return {st.spec.name for st in self.engines.states() if st.leaving_since is not None}
 
     def unroutable_engines(self) -> set[str]:
         """Engines disconnected for at least ``down_after_s``: their blocks are not

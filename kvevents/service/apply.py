@@ -71,11 +71,17 @@ class IndexWriter:
         with self.lock:
             self.anchors[engine] = (seq, ts)
 
-    def drop(self, engine: str) -> None:
-        """Forget the engine's blocks and anchor (nothing restorable until rebuilt)."""
+    def drop(self, engine: str, *, forget: bool = True) -> None:
+        """Forget the engine's blocks and anchor (nothing restorable until rebuilt).
+        ``forget`` (the service unsubscribed it): its counters and apply errors too, so
+        engines that come and go leave nothing behind; a restart or a loss keeps them."""
         with self.lock:
-            self.index.drop_engine(engine)
+            self.index.drop_engine(engine, forget=forget)
             self.anchors.pop(engine, None)
+            if forget:
+                self._careful.pop(engine, None)
+                for key in [k for k in self.apply_errors if k[0] == engine]:
+                    del self.apply_errors[key]
 
     def capture(self) -> tuple[bytes, dict[str, tuple[int, float]]]:
         """The index state and the anchors it holds, taken together."""
@@ -91,10 +97,10 @@ class IndexWriter:
         if isinstance(sig, BatchesReceived):  # our subscriber groups: no BatchReceived
             self._on_batches(sig, model)
         elif isinstance(sig, PublisherRestarted):
-            self.drop(sig.source)
+            self.drop(sig.source, forget=False)
             self.feed.publish("restart", {"engine": sig.source, "last_seq": sig.last_seq})
         elif isinstance(sig, BatchesLost):
-            self.drop(sig.source)
+            self.drop(sig.source, forget=False)
             self.engines.count_resync(sig.source)
             log.warning("engine %s: %d batches lost from seq %d (%s); its state was dropped",
                         sig.source, sig.count, sig.first_seq, sig.reason)

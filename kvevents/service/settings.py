@@ -212,6 +212,48 @@ class AggregatorSettings(BaseSettings):
     engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
                                                                  "engine's /metrics (its load)")
 
+    # Discovery (kvevents.discovery): engines found by DNS names and/or a Kubernetes pod
+    # selector, the ports and model of what is found (pod annotations override), how often
+    # DNS is asked, and how long a vanished engine keeps its state (unroutable meanwhile).
+    discover_dns: tuple[str, ...] = Field(
+        (), description="DNS names whose A/AAAA records are engines (a headless Service); "
+                        "';'-separated in the environment")
+    discover_interval_s: float = Field(1.0, gt=0, le=3600, description="seconds between DNS "
+                                                                       "resolutions")
+    dns_server: str | None = Field(None, pattern=r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+)(:\d{1,5})?$",
+                                   description="DNS server HOST[:PORT] to ask instead of the "
+                                               "system resolver")
+    discover_k8s_selector: str | None = Field(
+        None, min_length=1, description="label selector of engine pods to follow "
+                                        "(needs the k8s extra)")
+    discover_k8s_namespace: str | None = Field(
+        None, min_length=1, description="namespace of the engine pods (default: this pod's own)")
+    discover_events_port: int = Field(5557, ge=1, le=65535, description="discovered engines' "
+                                                                        "KV events port")
+    discover_replay_port: int = Field(5558, ge=0, le=65535, description="discovered engines' "
+                                                                        "replay port (0: none)")
+    discover_http_port: int = Field(8000, ge=0, le=65535, description="discovered engines' "
+                                                                      "OpenAI port (0: none)")
+    discover_dp_size: int = Field(1, ge=1, le=1024, description="data-parallel ranks per "
+                                                                "discovered server")
+    discover_model: str | None = Field(None, min_length=1, description="model of discovered "
+                                                                       "engines")
+    discover_grace_s: float = Field(30.0, ge=0, description="seconds a vanished engine keeps "
+                                                            "its state (unroutable) before it is "
+                                                            "dropped")
+    recovery_timeout_s: float = Field(30.0, gt=0, description="seconds readiness waits for an "
+                                                              "engine's first replay before giving "
+                                                              "up on it (counted)")
+
+    @field_validator("discover_dns", mode="before")
+    @classmethod
+    def _parse_names(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the environment: NAME;NAME
+            value = [s for s in re.split(r"[;,\s]+", value.strip()) if s]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError("expected DNS names")
+        return tuple(value)
+
     @field_validator("tokenizers", mode="before")
     @classmethod
     def _parse_tokenizers(cls, value: Any) -> Any:

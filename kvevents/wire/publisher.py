@@ -196,16 +196,23 @@ class ZmqEventPublisher(EventPublisher):
 
     def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         pub = self._ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, self.config.hwm)
-        pub.setsockopt(zmq.LINGER, 1000)
-        (pub.bind if self._binds(self.endpoint) else pub.connect)(self.endpoint)
         router = None
-        if self.replay_endpoint is not None:
-            router = self._ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            (router.bind if self._binds(self.replay_endpoint) else router.connect)(
-                self.replay_endpoint
-            )
+        try:
+            pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+            pub.setsockopt(zmq.LINGER, 1000)
+            (pub.bind if self._binds(self.endpoint) else pub.connect)(self.endpoint)
+            if self.replay_endpoint is not None:
+                router = self._ctx.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                (router.bind if self._binds(self.replay_endpoint) else router.connect)(
+                    self.replay_endpoint
+                )
+        except BaseException:
+            # A failed start (a port taken) must not keep the other socket bound and open.
+            pub.close(linger=0)
+            if router is not None:
+                router.close(linger=0)
+            raise
         return pub, router
 
     def _run(self) -> None:

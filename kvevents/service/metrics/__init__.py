@@ -52,6 +52,7 @@ kvevents_ingest_heartbeat_timestamp_seconds wall time of the ingest loop's last 
 kvevents_ingest_restarts_total              ingest thread restarts by the watchdog
 kvevents_ingest_loop_errors_total           ingest loop iterations that raised (retried)
 kvevents_ingest_max_engines                 engines the socket/file budget allows
+kvevents_recovery_given_up_total            engines readiness stopped waiting for (recovery_timeout_s)
 kvevents_socket_errors_total                failed socket operations, retried {engine, ...}
 kvevents_seq_jumps_total                    seqs beyond the believable window {engine, ...}
 kvevents_continuity_mismatches_total        replays that showed a restarted publisher {engine, ...}

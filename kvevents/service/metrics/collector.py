@@ -211,7 +211,11 @@ def ingest_health(view: ServiceView) -> list[Metric]:
     max_engines = GaugeMetricFamily("kvevents_ingest_max_engines",
                                     "Engines the socket/file budget allows")
     max_engines.add_metric([], view.budget.max_engines)
-    return [beat, restarts, loop_errors, max_engines]
+    given_up = CounterMetricFamily("kvevents_recovery_given_up",
+                                   "Engines whose first replay was not done within "
+                                   "recovery_timeout_s (readiness stopped waiting for them)")
+    given_up.add_metric([], health.get("recovery_given_up", 0))
+    return [beat, restarts, loop_errors, max_engines, given_up]
 
 
 def index_totals(counters: Any) -> list[Metric]:

@@ -36,6 +36,7 @@ class EngineAnchor:
     spec: dict[str, Any]  # EngineSpec fields
     last_seq: int | None  # None: nothing applied yet
     last_ts: float | None  # publisher timestamp of batch ``last_seq``
+    origin: str = "api"  # who asked to follow it (settings, API, a discovery source)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class Snapshot:
 def encode(snap: Snapshot) -> bytes:
     meta = json.dumps({
         "created": snap.created,
-        "engines": {name: {"spec": a.spec, "last_seq": a.last_seq, "last_ts": a.last_ts}
+        "engines": {name: {"spec": a.spec, "last_seq": a.last_seq, "last_ts": a.last_ts,
+                           "origin": a.origin}
                     for name, a in snap.engines.items()},
     }, allow_nan=False).encode()
     digest = hashlib.blake2b(meta + snap.state, digest_size=32).digest()
@@ -76,7 +78,10 @@ def decode(data: bytes) -> Snapshot:
         meta = json.loads(bytes(body[:meta_len]))
         # "pods": the key of snapshots written before engines were called engines.
         anchors = meta["engines"] if "engines" in meta else meta["pods"]
-        engines = {name: EngineAnchor(p["spec"], p["last_seq"], p["last_ts"])
+        # "origin": absent from snapshots written before discovery (engines added then
+        # came from the settings or the API).
+        engines = {name: EngineAnchor(p["spec"], p["last_seq"], p["last_ts"],
+                                      str(p.get("origin", "api")))
                    for name, p in anchors.items()}
         created = float(meta["created"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
