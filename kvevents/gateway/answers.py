@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
-
+from kvevents.gateway.upstream import UpstreamResponse
 from kvevents.routing import RouteDecision
 
 __all__ = ["answer_headers", "cached_tokens", "expected_cached", "is_complete",
@@ -32,7 +31,8 @@ def expected_cached(decision: RouteDecision, prompt_tokens: int) -> int:
     return matched
 
 
-def answer_headers(upstream: httpx.Response, engine: str) -> dict[str, str]:
+def answer_headers(upstream: UpstreamResponse, engine: str) -> dict[str, str]:
+    """The engine's headers the client gets back, and which engine answered."""
     out = {"x-kvevents-engine": engine}
     for name in ("content-type", "x-request-id", "cache-control"):
         if name in upstream.headers:

@@ -46,15 +46,17 @@ from kvevents.gateway.inflight import InflightPrompts
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
+from kvevents.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamPool,
+                                       UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import Candidate, RouteDecision, Router
 from kvevents.text import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 
 PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
-# Request headers not forwarded: hop-by-hop ones, and those httpx sets itself.
+# Request headers not forwarded: hop-by-hop ones, and those the upstream client sets.
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
-         "te", "trailer", "proxy-authorization", "accept-encoding"}
+         "te", "trailer", "proxy-authorization", "accept-encoding", "expect"}
 _SESSIONS = 100_000  # conversations remembered (least recently used forgotten first)
 _USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
 
@@ -79,7 +81,8 @@ class Gateway:
         self.flights = InflightPrompts()  # prompts sent and not finished, per engine
         self.sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.inflight = 0
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # polls, /tokenize, /v1/models
+        self.upstream = UpstreamPool()  # the proxied requests themselves
         self.tokens: PromptTokens | None = None
         self._poller: asyncio.Task | None = None
         self._known: set[str] = set()  # targets at the last poll
@@ -103,6 +106,7 @@ class Gateway:
                 pass
         if self.client is not None:
             await self.client.aclose()
+        self.upstream.close()
 
     def _metrics_urls(self) -> dict[str, str]:
         """The targets' ``/metrics`` now; engines gone since the last call lose their
@@ -111,6 +115,7 @@ class Gateway:
         for gone in self._known - set(urls):
             self.metrics.forget_engine(gone)
         self.flights.forget(set(urls))
+        self.upstream.forget({s.http for s in self.aggregator.engine_specs() if s.http})
         self._known = set(urls)
         return urls
 
@@ -177,8 +182,8 @@ class Gateway:
             raise OpenAIError(400, f"prompt has {len(ids)} tokens; the limit is "
                                    f"{self.max_prompt_tokens}", "messages" if req.kind == CHAT else "prompt")
         session = request.headers.get("x-session-id")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP
-                   and not (self.api_key and k.lower() == "authorization")}
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP
+                   and not (self.api_key and k.lower() == "authorization")]
         tried: set[str] = set()
         arr = None if ids is None else np.asarray(ids, dtype=np.int64)
         while True:
@@ -207,11 +212,11 @@ class Gateway:
             log.warning("engine %s: %s before the first byte; sending the request to another engine",
                         engine.name, retry)
             tried.add(engine.name)
-            if isinstance(upstream, httpx.Response):
+            if isinstance(upstream, UpstreamResponse):
                 await upstream.aclose()
         if isinstance(upstream, Exception):
             self._finished(engine.name, prefill)
-            status = 504 if isinstance(upstream, httpx.TimeoutException) else 502
+            status = 504 if isinstance(upstream, UpstreamTimeout) else 502
             self._count(engine.name, model, status, t0, None)
             return OpenAIError(status, f"engine {engine.name} failed before answering: {upstream}",
                                headers={"Retry-After": "1"}).response()
@@ -262,13 +267,11 @@ class Gateway:
             "matched_tokens": decision.matched_tokens, "reason": decision.reason, "session": session})
 
     async def _send(self, request: Request, engine: EngineSpec, req: OpenAIRequest,
-                    headers: dict[str, str]) -> httpx.Response | Exception:
+                    headers: list[tuple[str, str]]) -> UpstreamResponse | UpstreamError:
         """The engine's response (headers read, body not), or the exception that stopped
         it before any answer. A client gone meanwhile cancels the send."""
-        assert self.client is not None
-        out = self.client.build_request("POST", engine.http + PATHS[req.kind], content=req.body,
-                                        headers=headers)
-        send = asyncio.ensure_future(self.client.send(out, stream=True))
+        assert engine.http is not None
+        send = asyncio.ensure_future(self.upstream.send(engine.http, PATHS[req.kind], req.body, headers))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait((send, gone), timeout=self.timeout_s,
@@ -283,26 +286,24 @@ class Gateway:
                 pass
             if gone in done:
                 raise OpenAIError(499, "client closed the request")
-            return httpx.ReadTimeout(f"no answer within {self.timeout_s:g} s")
+            return UpstreamTimeout(f"no answer within {self.timeout_s:g} s")
         try:
             return send.result()
-        except httpx.TransportError as exc:
-            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-                self.loads.unreachable(engine.name, f"{type(exc).__name__}: {exc}")
+        except UpstreamConnectError as exc:
+            self.loads.unreachable(engine.name, str(exc))
             return exc
-        except httpx.HTTPError as exc:  # anything else httpx refuses: the engine's fault, a 502
+        except UpstreamError as exc:  # a malformed or broken-off answer: the engine's, a 502
             return exc
 
-    def _retry_reason(self, upstream: httpx.Response | Exception, tried: set[str],
+    def _retry_reason(self, upstream: UpstreamResponse | UpstreamError, tried: set[str],
                       by_name: dict[str, EngineSpec]) -> str | None:
         """Why to send the request again to another engine, or None: once at most, and
         only when another engine is left and nothing reached the client yet."""
         if tried or len(by_name) < 2:
             return None
-        if isinstance(upstream, (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                                 httpx.ReadError, httpx.WriteError)):
+        if isinstance(upstream, (UpstreamConnectError, UpstreamProtocolError)):
             return "connect"
-        if isinstance(upstream, httpx.Response) and upstream.status_code >= 500:
+        if isinstance(upstream, UpstreamResponse) and upstream.status_code >= 500:
             return "5xx"
         return None
 
@@ -329,7 +330,7 @@ class Gateway:
             t.reported_cached += reported
             t.usage_reports += 1
 
-    async def _whole(self, request: Request, upstream: httpx.Response, engine: str,
+    async def _whole(self, request: Request, upstream: UpstreamResponse, engine: str,
                      model: str | None, predicted: int, prefill: tuple, t0: float) -> Response:
         """A non-streamed answer (or an engine's error), read whole while watching the client."""
         read = asyncio.ensure_future(upstream.aread())
@@ -358,7 +359,7 @@ class Gateway:
         self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
         return Response(body, status_code=status, headers=answer_headers(upstream, engine))
 
-    def _stream(self, request: Request, upstream: httpx.Response, engine: str, model: str | None,
+    def _stream(self, request: Request, upstream: UpstreamResponse, engine: str, model: str | None,
                 predicted: int, prefill: tuple, t0: float) -> StreamingResponse:
         """A streamed answer, passed through chunk by chunk as the engine sends it."""
         m = model or ""
@@ -391,7 +392,7 @@ class Gateway:
                         first = False
                     tail = (tail + chunk)[-_USAGE_TAIL:]
                     yield chunk
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 # The engine broke off: say so in the stream, in OpenAI's shape (the
                 # official client raises on it), instead of ending as if complete.
                 status = 502

@@ -1,0 +1,333 @@
+"""The gateway's HTTP/1.1 client to the engines: one request on a pooled keep-alive
+connection, its answer streamed back as the engine sends it.
+
+Why not ``httpx`` on this path: per proxied request its client stack (URL and header
+models, the connection pool's state machine, anyio streams, ``h11``) took about half of
+the event loop's time, which every request pays as latency and which ingest and every
+other request wait behind. This client does only what the gateway needs: a POST with a
+body, the status, the headers, and the body as it comes. The engine's answer is parsed
+by ``httptools`` (llhttp, compiled: the parser uvicorn uses), the request is written in
+one ``write``. ``httpx`` stays for the rest (``/metrics`` polls, ``/tokenize``,
+``/v1/models``).
+
+Lifecycle: :class:`UpstreamPool` lives as long as the gateway (:meth:`UpstreamPool.close`
+at its end). :meth:`UpstreamPool.send` returns an :class:`UpstreamResponse` once the
+answer's headers arrived; its body is read with :meth:`~UpstreamResponse.aiter_raw` or
+:meth:`~UpstreamResponse.aread`, and :meth:`~UpstreamResponse.aclose` must follow
+(always: it returns a connection whose answer ended cleanly to the pool, and closes any
+other). The event loop's thread only.
+
+Failure: a connection that cannot be opened raises :class:`UpstreamConnectError`; an
+answer that is malformed, or a connection that closes before the answer's end, raises
+:class:`UpstreamProtocolError` (from ``send`` before the headers, from reading the body
+after). A pooled connection the engine closed while idle (its keep-alive timeout) is
+detected before reuse; if the engine closes it just as the request goes out (nothing
+answered), the request is sent once more on a new connection. Timeouts are the
+caller's (``asyncio.wait``/``wait_for`` around these calls); a cancelled ``send`` or read
+closes its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = ["UpstreamConnectError", "UpstreamError", "UpstreamPool", "UpstreamProtocolError",
+           "UpstreamResponse", "UpstreamTimeout"]
+
+_HIGH_WATER = 1 << 20  # bytes buffered from an engine before reading pauses
+_LOW_WATER = 1 << 18
+
+
+class UpstreamError(Exception):
+    """Any failure talking to an engine."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """The connection could not be opened (refused, unreachable, timed out)."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """A malformed answer, or a connection that closed before the answer's end."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No (more of the) answer within the caller's time limit."""
+
+
+class UpstreamResponse:
+    """An engine's answer: status and headers now, the body as it arrives."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self.status_code = 0
+        self.headers: dict[str, str] = {}
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._complete = False
+        self._error: UpstreamError | None = None
+        self._wakeup: asyncio.Future | None = None
+        self._closed = False
+
+    # -- fed by the connection -------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self, error: UpstreamError | None = None) -> None:
+        if error is None:
+            self._complete = True
+        elif not self._complete:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    # -- read by the gateway ---------------------------------------------------------------
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (chunked transfer decoded, content untouched)."""
+        while True:
+            if self._chunks:
+                data = self._chunks.popleft()
+                self._buffered -= len(data)
+                if self._buffered < _LOW_WATER:
+                    self._conn.resume()
+                yield data
+                continue
+            if self._complete:
+                return
+            if self._error is not None:
+                raise self._error
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
+            self._wakeup = None
+
+    async def aread(self) -> bytes:
+        """The whole body."""
+        return b"".join([chunk async for chunk in self.aiter_raw()])
+
+    async def aclose(self) -> None:
+        """Done with the answer: its connection goes back to the pool if the answer
+        ended cleanly and the engine keeps it alive, else it is closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._conn.release(reuse=self._complete and not self._chunks)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to one engine, one request at a time."""
+
+    def __init__(self, pool: UpstreamPool, key: tuple) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.headers_ready: asyncio.Future | None = None
+        self.got_bytes = False  # any byte of the current answer
+        self.keep_alive = True
+        self.closed = False
+        self._paused = False
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(f"malformed answer: {exc}"))
+            self.close()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        resp = self.response
+        if (exc is None and resp is not None and resp.status_code and "content-length" not in
+                resp.headers and "transfer-encoding" not in resp.headers):
+            resp._finish()  # an answer delimited by the connection's end (HTTP/1.0 style)
+            return
+        self._fail(UpstreamProtocolError("the engine closed the connection before the end of "
+                                         f"its answer{f': {exc}' if exc else ''}"))
+
+    # -- httptools callbacks -----------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        resp = self.response
+        if resp is not None:
+            resp.status_code = self.parser.get_status_code()
+        if self.headers_ready is not None and not self.headers_ready.done():
+            self.headers_ready.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.response is not None:
+            self.response._finish()
+
+    # -- the pool's side -------------------------------------------------------------------------
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self.headers_ready is not None and not self.headers_ready.done():
+            self.headers_ready.set_exception(error)
+        if self.response is not None:
+            self.response._finish(error)
+
+    def start(self, request: bytes) -> UpstreamResponse:
+        self.response = UpstreamResponse(self)
+        self.headers_ready = asyncio.get_running_loop().create_future()
+        self.got_bytes = False
+        self.parser = httptools.HttpResponseParser(self)
+        assert self.transport is not None
+        self.transport.write(request)
+        return self.response
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None and not self.closed:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def usable(self) -> bool:
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
+    def release(self, reuse: bool) -> None:
+        self.response = None
+        self.headers_ready = None
+        if reuse and self.keep_alive and self.usable():
+            self.resume()
+            idle = self.pool._idle[self.key]
+            idle.append(self)
+            if len(idle) > self.pool.max_idle:
+                idle.popleft().close()
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self.closed = True
+
+
+class UpstreamPool:
+    """Keep-alive connections per engine (see the module docstring)."""
+
+    def __init__(self, connect_timeout_s: float = 5.0, max_idle_per_engine: int = 256) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle_per_engine
+        self._idle: collections.defaultdict[tuple, collections.deque[_Connection]] = \
+            collections.defaultdict(collections.deque)
+        self._targets: dict[str, tuple[tuple, bytes, bytes]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _target(self, base: str) -> tuple[tuple, bytes, bytes]:
+        """(connection key, path prefix, Host header) of an engine URL, parsed once."""
+        got = self._targets.get(base)
+        if got is None:
+            parts = urlsplit(base)
+            tls = parts.scheme == "https"
+            port = parts.port or (443 if tls else 80)
+            host = parts.hostname or ""
+            netloc = f"[{host}]" if ":" in host else host
+            got = ((host, port, tls), parts.path.rstrip("/").encode(), f"{netloc}:{port}".encode())
+            self._targets[base] = got
+        return got
+
+    async def _connect(self, key: tuple) -> _Connection:
+        host, port, tls = key
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                lambda: _Connection(self, key), host, port, ssl=self._ssl if tls else None),
+                self.connect_timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise UpstreamConnectError(f"cannot connect to {host}:{port}: "
+                                       f"{exc or type(exc).__name__}") from None
+        return conn
+
+    def _pooled(self, key: tuple) -> _Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()  # the most recent: least likely timed out by the engine
+            if conn.usable():
+                return conn
+        return None
+
+    async def send(self, base: str, path: str, body: bytes,
+                   headers: list[tuple[str, str]]) -> UpstreamResponse:
+        """POST ``body`` to ``base + path``; the answer once its headers arrived."""
+        key, prefix, host = self._target(base)
+        head = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nhost: ", host,
+                b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+        for name, value in headers:
+            head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
+        request = b"".join(head) + b"\r\n" + body
+        for attempt in (0, 1):
+            conn = self._pooled(key) if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(key)
+            resp = conn.start(request)
+            try:
+                assert conn.headers_ready is not None
+                await conn.headers_ready
+                return resp
+            except UpstreamProtocolError:
+                conn.close()
+                # The engine closed an idle connection as the request went out: nothing
+                # was answered, so nothing was done; once more on a fresh connection.
+                if reused and not conn.got_bytes:
+                    continue
+                raise
+            except BaseException:  # cancelled (client gone, timeout): the answer is moot
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def forget(self, keep: set[str]) -> None:
+        """Close the idle connections of engines whose URL is not in ``keep``."""
+        keys = {self._target(base)[0] for base in keep}
+        for key in [k for k in self._idle if k not in keys]:
+            for conn in self._idle.pop(key):
+                conn.close()
+        self._targets = {b: t for b, t in self._targets.items() if b in keep}
+
+    def idle_connections(self) -> int:
+        return sum(len(d) for d in self._idle.values())
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
