@@ -139,6 +139,10 @@ def test_fast_publisher_restart_is_detected_by_continuity(new_batches, live_afte
     agg = Aggregator(settings(engines=(EngineSpec("p", cfg["endpoint"], cfg["replay_endpoint"]),)))
     agg.start()
     try:
+        # The old process's history is published once we are connected (on a loaded
+        # machine it could otherwise all precede the SUB's connect; this test is about
+        # the restart below, not about that start).
+        assert wait_until(lambda: connected(agg, "p"), 5)
         for i in range(10):
             old.publish(stored(1000 + i))
         assert wait_until(lambda: resident(agg, "p") == set(range(1000, 1010)), 10)

@@ -224,7 +224,10 @@ def test_old_pod_paths_and_fields_still_answer(fleet):
     assert old["pods"] == old["engines"] and "pods" not in httpx.get(f"{url}/v1/engines").json()
     c = Pub(legacy=False)
     try:
-        new = {"name": "c", "endpoint": f"tcp://127.0.0.1:{c.live}", "model": "m"}
+        # With its replay endpoint: a first batch sent before the new SUB joined is
+        # replayed, not lost (this test is about the old paths, not about that race).
+        new = {"name": "c", "endpoint": f"tcp://127.0.0.1:{c.live}", "model": "m",
+               "replay_endpoint": f"tcp://127.0.0.1:{c.replay}"}
         assert httpx.post(f"{url}/v1/pods", json=new).status_code == 401  # still guarded
         r = httpx.post(f"{url}/v1/pods", headers=auth, json=new)
         assert r.status_code == 201 and r.json()["name"] == "c", r.text
