@@ -8,11 +8,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import dns.resolver
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from support import wait_until  # noqa: E402
 
 
 def _require_dnsmasq() -> str:
@@ -32,14 +35,6 @@ def _closed_udp_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def _wait(pred: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 class Dnsmasq:
@@ -61,7 +56,7 @@ class Dnsmasq:
                 self.cmd += ["--user=root", "--group=root"]
             with open(self.log, "wb") as log:
                 self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-            if _wait(self._answers, 5):
+            if wait_until(self._answers, 5):
                 return
             self.close()
         raise RuntimeError(f"dnsmasq did not start: {self.cmd}\n{self.log.read_text()}")

@@ -14,7 +14,8 @@ import pytest
 from kvevents.discovery.dns import DnsSource, parse_server
 from kvevents.discovery.targets import PortPlan
 
-from dnsmasq import Dnsmasq, _closed_udp_port, _wait  # noqa: E402
+from dnsmasq import Dnsmasq, _closed_udp_port  # noqa: E402
+from support import wait_until  # noqa: E402  (dnsmasq puts tests/ on the path)
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ class Running:
 
     def wait_for(self, pred: Callable[[list], bool], timeout: float) -> list:
         start = len(self.sets)  # only sets emitted from now on count
-        assert _wait(lambda: len(self.sets) > start and pred(self.sets[-1]), timeout), \
+        assert wait_until(lambda: len(self.sets) > start and pred(self.sets[-1]), timeout), \
             f"last set: {self.sets[-1] if self.sets else None}; status: {self.source.status}"
         return self.sets[-1]
 
@@ -109,7 +110,7 @@ def test_dead_server_counts_errors_and_never_emits():
     r = Running(src)
     r.thread.start()
     try:
-        assert _wait(lambda: src.status.errors >= 2, 5), src.status
+        assert wait_until(lambda: src.status.errors >= 2, 5), src.status
         time.sleep(0.3)  # stop in the middle of a query, the worst case for returning
     finally:
         took = r.stop_and_join()
@@ -123,7 +124,7 @@ def test_refused_is_a_failure_not_an_empty_set(dnsmasq):
     """A name the server will not answer for (REFUSED) keeps the last set: no emit."""
     src = DnsSource("vllm.example", PortPlan(), interval_s=0.1, server=dnsmasq.server)
     with running(src) as r:
-        assert _wait(lambda: src.status.errors >= 1, 3), src.status
+        assert wait_until(lambda: src.status.errors >= 1, 3), src.status
     assert r.sets == []
     assert "REFUSED" in src.status.last_error
 

@@ -17,6 +17,8 @@ import pytest
 
 pytest.importorskip("lightkube")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from support import wait_until  # noqa: E402
 from k8s_api import FakeKubeAPI, make_pod, selector_matches, write_kubeconfig  # noqa: E402
 
 from kvevents.discovery import k8s as k8s_module  # noqa: E402
@@ -27,14 +29,6 @@ from kvevents.engines.spec import EngineSpec  # noqa: E402
 SELECTOR = "app=vllm,tier in (serve,canary)"
 SERVE = {"tier": "serve"}
 
-
-def _wait(pred, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 class Emits:
@@ -108,7 +102,7 @@ def test_initial_list_emits_only_running_ready_pods(api, kubeconfig):
     source = K8sSource(SELECTOR, PortPlan(), model="default-model", kubeconfig=str(kubeconfig))
     assert source.origin == f"k8s:vllm/{SELECTOR}"
     with running(source) as emits:
-        assert _wait(lambda: emits.names is not None)
+        assert wait_until(lambda: emits.names is not None)
         got = emits.last()
         assert sorted(got) == ["vllm-0", "vllm-1-dp0", "vllm-1-dp1"]
         assert got["vllm-0"] == EngineSpec(name="vllm-0", endpoint="tcp://127.0.0.2:5557",
@@ -119,7 +113,7 @@ def test_initial_list_emits_only_running_ready_pods(api, kubeconfig):
                                                replay_endpoint=None, model="default-model",
                                                http="http://127.0.0.3:9000")
         assert got["vllm-1-dp0"].endpoint == "tcp://127.0.0.3:6557"
-        assert _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: api.watch_requests())
     assert source.status.first_round_done and source.status.engines == 3 and source.status.errors == 0
     first = api.requests[0]
     assert first["authorization"] == f"Bearer {api.token}"
@@ -138,21 +132,21 @@ def test_watch_events_add_ready_pods_and_drop_deleted_ones(api, kubeconfig):
     api.put(make_pod("vllm-0", "127.0.0.2", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig))
     with running(source) as emits:
-        assert _wait(lambda: emits.names == ["vllm-0"]) and _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: emits.names == ["vllm-0"]) and wait_until(lambda: api.watch_requests())
         api.put(make_pod("vllm-1", None, labels=SERVE, phase="Pending", ready=False))  # ADDED, not counted
-        assert _wait(lambda: len(emits.sets) >= 2)
+        assert wait_until(lambda: len(emits.sets) >= 2)
         assert emits.names == ["vllm-0"]
         t0 = time.monotonic()
         api.put(make_pod("vllm-1", "127.0.0.3", labels=SERVE))  # MODIFIED: Running and Ready
-        assert _wait(lambda: emits.names == ["vllm-0", "vllm-1"], 2.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-0", "vllm-1"], 2.0), emits.names
         api.put(make_pod("vllm-1", "127.0.0.3", labels=SERVE, ready=False))  # readiness probe failing
-        assert _wait(lambda: emits.names == ["vllm-0"], 2.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-0"], 2.0), emits.names
         api.put(make_pod("vllm-1", "127.0.0.3", labels=SERVE))
-        assert _wait(lambda: emits.names == ["vllm-0", "vllm-1"], 2.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-0", "vllm-1"], 2.0), emits.names
         api.put(make_pod("vllm-0", "127.0.0.2", labels={"tier": "batch"}))  # relabelled out: DELETED
-        assert _wait(lambda: emits.names == ["vllm-1"], 2.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-1"], 2.0), emits.names
         api.delete("vllm-1")
-        assert _wait(lambda: emits.names == [], 2.0), emits.names
+        assert wait_until(lambda: emits.names == [], 2.0), emits.names
         assert time.monotonic() - t0 < 6
     assert source.status.errors == 0 and source.status.extra["relists"] == 0
     assert len(api.watch_requests()) == 1  # one watch carried it all
@@ -164,16 +158,16 @@ def test_410_mid_watch_relists_and_recovers_missed_changes(api, kubeconfig):
     api.put(make_pod("vllm-1", "127.0.0.3", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig))
     with running(source) as emits:
-        assert _wait(lambda: emits.names == ["vllm-0", "vllm-1"]) and _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: emits.names == ["vllm-0", "vllm-1"]) and wait_until(lambda: api.watch_requests())
         # Changes whose events never reach the watch, then the server gives up on it.
         api.put(make_pod("vllm-2", "127.0.0.4", labels=SERVE), record=False)
         api.put(make_pod("vllm-0", "127.0.0.2", labels=SERVE, deleting=True), record=False)
         api.expire()
-        assert _wait(lambda: emits.names == ["vllm-1", "vllm-2"], 2.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-1", "vllm-2"], 2.0), emits.names
         assert source.status.extra["relists"] == 1
         # ... and the fresh watch works: from the re-list's version
         api.put(make_pod("vllm-3", "127.0.0.5", labels=SERVE))
-        assert _wait(lambda: emits.names == ["vllm-1", "vllm-2", "vllm-3"], 2.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-1", "vllm-2", "vllm-3"], 2.0), emits.names
     assert source.status.errors == 0  # a 410 is routine, not a failure
     lists = [r for r in api.requests if "watch" not in r["query"]]
     assert len(lists) == 2 and len(api.watch_requests()) == 2
@@ -185,14 +179,14 @@ def test_rewatch_from_a_too_old_version_gets_410_and_relists(api, kubeconfig):
     api.put(make_pod("vllm-0", "127.0.0.2", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig), watch_timeout_s=1)
     with running(source) as emits:
-        assert _wait(lambda: emits.names == ["vllm-0"]) and _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: emits.names == ["vllm-0"]) and wait_until(lambda: api.watch_requests())
         # Other pods move the cluster on and the window past the listed version, while
         # a change of ours is never delivered; the watch times out after 1 s and its
         # re-watch from the listed version gets an ERROR 410 event.
         api.put(make_pod("other-0", "127.0.0.9", labels={"app": "other"}))
         api.compact()
         api.put(make_pod("vllm-1", "127.0.0.3", labels=SERVE), record=False)
-        assert _wait(lambda: emits.names == ["vllm-0", "vllm-1"], 4.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-0", "vllm-1"], 4.0), emits.names
         assert source.status.extra["relists"] == 1
         assert len(api.watch_requests()) >= 2 and source.status.errors == 0
 
@@ -202,18 +196,18 @@ def test_bookmarks_keep_the_version_fresh_across_watch_timeouts(api, kubeconfig)
     api.put(make_pod("vllm-0", "127.0.0.2", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig), watch_timeout_s=1)
     with running(source) as emits:
-        assert _wait(lambda: emits.names == ["vllm-0"]) and _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: emits.names == ["vllm-0"]) and wait_until(lambda: api.watch_requests())
         listed = source.describe()["resource_version"]
         for i in range(5):  # a busy cluster: other pods churn, the window moves on
             api.put(make_pod(f"other-{i}", "127.0.0.9", labels={"app": "other"}))
         newest = api.put(make_pod("other-5", "127.0.0.9", labels={"app": "other"}))["metadata"]["resourceVersion"]
-        assert _wait(lambda: len(api.watch_requests()) >= 2, 3.0)
+        assert wait_until(lambda: len(api.watch_requests()) >= 2, 3.0)
         api.compact()  # the listed version is now too old; the bookmarked one is not
-        assert _wait(lambda: len(api.watch_requests()) >= 3, 3.0)
+        assert wait_until(lambda: len(api.watch_requests()) >= 3, 3.0)
         rewatch = api.watch_requests()[1]["query"]["resourceVersion"]
         assert int(rewatch) > int(listed) and rewatch == newest
         api.put(make_pod("vllm-1", "127.0.0.3", labels=SERVE))
-        assert _wait(lambda: emits.names == ["vllm-0", "vllm-1"], 3.0), emits.names
+        assert wait_until(lambda: emits.names == ["vllm-0", "vllm-1"], 3.0), emits.names
     assert source.status.extra["relists"] == 0 and source.status.errors == 0
 
 
@@ -223,11 +217,11 @@ def test_api_errors_keep_the_last_set_and_recover(api, kubeconfig):
     api.put(make_pod("vllm-0", "127.0.0.2", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig))
     with running(source) as emits:
-        assert _wait(lambda: source.status.errors >= 1)
+        assert wait_until(lambda: source.status.errors >= 1)
         assert "500" in source.status.last_error and "etcdserver" in source.status.last_error
         assert emits.sets == [] and not source.status.first_round_done  # never an empty set
         api.fail_status = None
-        assert _wait(lambda: emits.names == ["vllm-0"], 4.0), source.status
+        assert wait_until(lambda: emits.names == ["vllm-0"], 4.0), source.status
     assert source.status.first_round_done
 
 
@@ -237,15 +231,15 @@ def test_api_server_down_keeps_the_last_set_and_recovers(api, kubeconfig):
     api.put(make_pod("vllm-1", "127.0.0.3", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig))
     with running(source) as emits:
-        assert _wait(lambda: emits.names == ["vllm-0", "vllm-1"]) and _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: emits.names == ["vllm-0", "vllm-1"]) and wait_until(lambda: api.watch_requests())
         count = len(emits.sets)
         api.stop()  # the watch is cut mid-stream, then connections are refused
-        assert _wait(lambda: source.status.errors >= 2, 4.0), source.status
+        assert wait_until(lambda: source.status.errors >= 2, 4.0), source.status
         assert len(emits.sets) == count and source.status.engines == 2  # the last set stands
         api.delete("vllm-0")  # changed while down: the re-list must see it
         api.put(make_pod("vllm-2", "127.0.0.4", labels=SERVE))
         api.start()
-        assert _wait(lambda: emits.names == ["vllm-1", "vllm-2"], 6.0), (emits.names, source.status)
+        assert wait_until(lambda: emits.names == ["vllm-1", "vllm-2"], 6.0), (emits.names, source.status)
         assert all(s for s in emits.sets)  # no empty set was ever emitted
     assert source.status.errors >= 2 and source.status.last_error
 
@@ -255,12 +249,12 @@ def test_stop_returns_quickly_from_a_blocked_watch(api, kubeconfig):
     api.put(make_pod("vllm-0", "127.0.0.2", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig), watch_timeout_s=300)
     with running(source, stop_within=1.0) as emits:  # `running` times the stop
-        assert _wait(lambda: emits.names == ["vllm-0"]) and _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: emits.names == ["vllm-0"]) and wait_until(lambda: api.watch_requests())
         time.sleep(0.3)  # blocked reading the watch: no events, no timeout for 300 s
     # ... and during a back-off after an error
     api.fail_status = 500
     with running(source, stop_within=1.0):
-        assert _wait(lambda: source.status.errors >= 1)
+        assert wait_until(lambda: source.status.errors >= 1)
 
 
 @pytest.mark.timeout(15)
@@ -270,13 +264,13 @@ def test_bad_annotations_skip_the_pod_and_warn_once(api, kubeconfig, caplog):
     api.put(make_pod("vllm-wide", "127.0.0.4", labels=SERVE, annotations={"kvevents.io/dp-size": "4096"}))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig))
     with caplog.at_level(logging.WARNING, logger="kvevents.discovery.k8s"), running(source) as emits:
-        assert _wait(lambda: emits.names == ["vllm-0"]) and _wait(lambda: api.watch_requests())
+        assert wait_until(lambda: emits.names == ["vllm-0"]) and wait_until(lambda: api.watch_requests())
         for _ in range(3):  # more events: the bad pods are skipped again, not re-warned
             api.put(make_pod("vllm-0", "127.0.0.2", labels=SERVE))
-        assert _wait(lambda: len(emits.sets) >= 4)
+        assert wait_until(lambda: len(emits.sets) >= 4)
         assert source.status.extra["bad_pods"] == 2
         api.put(make_pod("vllm-bad", "127.0.0.3", labels=SERVE, annotations={"kvevents.io/events-port": "5600"}))
-        assert _wait(lambda: emits.names == ["vllm-0", "vllm-bad"], 2.0)
+        assert wait_until(lambda: emits.names == ["vllm-0", "vllm-bad"], 2.0)
         assert source.status.extra["bad_pods"] == 1
     warnings = [r.getMessage() for r in caplog.records if "skipping pod" in r.getMessage()]
     assert len(warnings) == 2, warnings
@@ -290,7 +284,7 @@ def test_a_pod_whose_engine_name_is_taken_is_skipped(api, kubeconfig):
     api.put(make_pod("vllm-2-dp0", "127.0.0.3", labels=SERVE))
     source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig))
     with running(source) as emits:
-        assert _wait(lambda: emits.names == ["vllm-2-dp0", "vllm-2-dp1"])
+        assert wait_until(lambda: emits.names == ["vllm-2-dp0", "vllm-2-dp1"])
         assert emits.last()["vllm-2-dp0"].endpoint == "tcp://127.0.0.2:5557"  # pod vllm-2's rank 0
     assert source.status.extra["bad_pods"] == 1
 
