@@ -19,6 +19,9 @@ The machine's own share of the latency is measured too: during each window a sep
 process (no GIL, no sockets) sleeps 1 ms at a time and counts how often it wakes more
 than 1 ms / 2 ms late, which is what every wake-up of the client and the server
 (request arrival, response arrival, GIL hand-over) is exposed to on a busy machine.
+For ours, the ingest thread's stretches between GIL releases during the window
+(``kvevents_ingest_gil_hold_seconds``, before and after): how many were over 0.5 ms, and
+the bucket bound that covers the longest.
 
 ``--rate 0``: no ingest during the lookups (the trace is applied first), the old P3
 shape. ``dynamo.indexer`` listens on 0.0.0.0, so with ``--sides`` naming it the whole
@@ -47,7 +50,8 @@ import httpx  # noqa: E402
 import zmq  # noqa: E402
 
 import kvevents  # noqa: E402
-from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
+from common import (gil_hold_window, gil_holds, machine, median, percentile, print_table,  # noqa: E402
+                    rerun_in_loopback_netns, write_json)
 from dynamo_side import worker_id  # noqa: E402
 from kvevents.demo.fleet import free_port  # noqa: E402
 from kvevents.wire.schema import AllBlocksCleared, BatchDecoder, BatchEncoder, KVEventBatch  # noqa: E402
@@ -248,6 +252,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
             for b in bodies[:20]:  # warm-up of the timed client's connection
                 post(b)
             probe.start()
+            holds0 = gil_holds(client.get("/metrics").text)
             applied0, sent0, w0 = side.applied(client), sent.value, time.perf_counter()
             lat, matched = [], []
             for i in range(args.requests):
@@ -260,6 +265,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
                 matched.append(side.best_match(json.loads(text)))
             window = time.perf_counter() - w0
             applied1, sent1 = side.applied(client), sent.value
+            holds = gil_hold_window(holds0, gil_holds(client.get("/metrics").text))
             probe_stop.set()
             wakeups, late1, late2 = probe_out.get(timeout=10)
             extra = side.extra(client)
@@ -283,7 +289,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
            "p50_us": round(median(lat), 1), "p99_us": round(percentile(lat, 99), 1),
            "max_us": round(max(lat), 1), "mean_best_match_tokens": round(sum(matched) / len(matched), 1),
            "probe_late_1ms_pct": round(100 * late1 / max(1, wakeups), 2),
-           "probe_late_2ms_pct": round(100 * late2 / max(1, wakeups), 2)}
+           "probe_late_2ms_pct": round(100 * late2 / max(1, wakeups), 2), **holds}
     print(f"  {row}", file=sys.stderr)
     return row
 
@@ -322,7 +328,7 @@ def main() -> None:
     print(f"kvevents from {kvevents.__file__}", file=sys.stderr)
     cols = ["run", "side", "published_per_s", "applied_per_s", "applied_unit", "resident_entries",
             "lost_batches", "p50_us", "p99_us", "max_us", "mean_best_match_tokens",
-            "probe_late_1ms_pct", "probe_late_2ms_pct"]
+            "probe_late_1ms_pct", "probe_late_2ms_pct", "gil_over_0_5ms", "gil_longest_le_s"]
     print_table(cols, [[row[c] for c in cols] for row in rows])
     summary = {}
     for side in sides:

@@ -65,3 +65,28 @@ def rerun_in_loopback_netns(script: str, args: list[str]) -> int:
     127.0.0.1 exists. Needs root or user namespaces."""
     argv = [sys.executable, os.path.abspath(script), "--inner", *args]
     return subprocess.call(["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + shlex.join(argv)])
+
+
+def gil_holds(metrics_text: str) -> dict[float, int]:
+    """``kvevents_ingest_gil_hold_seconds``' cumulative bucket counts by bound, from a
+    ``/metrics`` page (empty for a server without it)."""
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("kvevents_ingest_gil_hold_seconds_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(le)] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def gil_hold_window(before: dict[float, int], after: dict[float, int]) -> dict:
+    """The ingest thread's stretches between GIL releases during a window, from the
+    histogram before and after it: how many, how many over 0.5 ms, and the smallest
+    bucket bound that covers the longest (an upper bound of it; inf: beyond the last)."""
+    delta = {b: after.get(b, 0) - before.get(b, 0) for b in after}
+    bounds = sorted(delta)
+    if not bounds:
+        return {"gil_stretches": None, "gil_over_0_5ms": None, "gil_longest_le_s": None}
+    total = delta[bounds[-1]]
+    under = max((delta[b] for b in bounds if b <= 0.0005), default=0)
+    longest = next((b for b in bounds if delta[b] == total), None)
+    return {"gil_stretches": total, "gil_over_0_5ms": total - under, "gil_longest_le_s": longest}

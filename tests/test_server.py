@@ -99,6 +99,14 @@ def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
     assert engines["a"]["lost_batches"] == 0 and engines["a"]["status"] == "live"
     assert engines["a"]["blocks"] == {"GPU": 3, "CPU": 2}
     assert engines["b"]["blocks"] == {"GPU": 5}
+    # A common body is answered in front of the framework (kvevents/api/fastpath.py), any
+    # other by the route: the same request both ways gives the same bytes.
+    for tokens, model in ((P + [1, 2, 3], None), (Q, "m"), ([7] * 8, None)):
+        common = {"token_ids": tokens, **({"model": model} if model else {})}
+        fast = httpx.post(f"{srv.url}/v1/lookup", json=common)
+        routed = httpx.post(f"{srv.url}/v1/lookup", json={**common, "prompt": None})
+        assert fast.status_code == routed.status_code == 200
+        assert fast.content == routed.content and fast.headers["content-type"] == "application/json"
 
     # Block queries by decimal and hex hash.
     r = httpx.get(f"{srv.url}/v1/blocks/3").json()
@@ -116,7 +124,7 @@ def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
     assert 'kvevents_resident_blocks{engine="a",model_name="m",tier="CPU"} 2.0' in text
     assert 'kvevents_replayed_batches_total{engine="a",model_name="m"}' in text
     assert 'kvevents_unknown_removals_total{engine="b",model_name="m"} 1.0' in text
-    assert 'kvevents_lookups_total{api="lookup",model_name=""} 4.0' in text
+    assert 'kvevents_lookups_total{api="lookup",model_name=""} 8.0' in text
     # One name for the followed engine in metric names too (the budget gauge was *_max_pods).
     budget = [line for line in text.splitlines() if line.startswith("kvevents_ingest_max_")]
     assert len(budget) == 1 and budget[0].startswith("kvevents_ingest_max_engines "), budget

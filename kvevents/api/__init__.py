@@ -20,6 +20,7 @@ from kvevents.api import (routes_engines, routes_openai, routes_ops, routes_quer
                           routes_snapshot)
 from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
+from kvevents.api.fastpath import LookupFastPath
 from kvevents.api.limits import BodySizeLimit
 from kvevents.discovery import Discovery, build_sources
 from kvevents.gateway import Gateway, GatewayMetrics
@@ -54,6 +55,7 @@ def create_app(
             app.state.routing, app.state.tokenizers, GatewayMetrics(agg.registry),
             api_key=settings.api_key, timeout_s=settings.request_timeout_s,
             max_inflight=settings.max_inflight, poll_interval_s=settings.engine_poll_interval_s,
+            busy_poll_interval_s=settings.engine_poll_busy_interval_s,
             max_prompt_tokens=settings.max_prompt_tokens)
         await app.state.gateway.start()
         try:
@@ -88,6 +90,9 @@ def create_app(
     app.include_router(routes_snapshot.router)
     app.include_router(routes_openai.router)
     serve_lean(app, HOT_PATHS)
+    # Last, so outermost: common lookup bodies are answered before the framework.
+    app.add_middleware(LookupFastPath, max_body_bytes=settings.max_body_bytes,
+                       max_prompt_tokens=settings.max_prompt_tokens)
     return app
 
 

@@ -102,6 +102,8 @@ class EngineOut(BaseModel):
     last_event_age_seconds: float | None
     blocks: dict[str, int]
     batches: int
+    lane_batches: int = Field(0, description="Of ``batches``, those applied by the compiled "
+                                              "ingest lane (without the GIL).")
     gaps: int
     replayed_batches: int
     lost_batches: int

@@ -122,6 +122,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-poll-interval", type=float, default=None, dest="engine_poll_interval_s",
                    metavar="SECONDS", help="seconds between reads of each engine's /metrics "
                                            "(default: {default})")
+    p.add_argument("--engine-poll-busy-interval", type=float, default=None,
+                   dest="engine_poll_busy_interval_s", metavar="SECONDS",
+                   help="the same while the gateway has requests in flight; shorter: replicas "
+                        "see each other's load sooner, for more reads (default: {default})")
     d = p.add_argument_group(
         "discovery", "find engines as the fleet scales (any combination, with --endpoint)")
     d.add_argument("--discover-dns", action="append", default=None, metavar="NAME",
@@ -205,6 +209,7 @@ def _serve(args: argparse.Namespace) -> int:
             tokenizers=args.tokenizer, api_key=args.api_key,
             request_timeout_s=args.request_timeout_s, max_inflight=args.max_inflight,
             engine_poll_interval_s=args.engine_poll_interval_s,
+            engine_poll_busy_interval_s=args.engine_poll_busy_interval_s,
             discover_dns=args.discover_dns, discover_interval_s=args.discover_interval_s,
             dns_server=args.dns_server, discover_k8s_selector=args.discover_k8s_selector,
             discover_k8s_namespace=args.discover_k8s_namespace,

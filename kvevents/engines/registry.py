@@ -230,6 +230,7 @@ class EngineRegistry:
             "lag_seconds": None if st.last_batch_ts is None else max(0.0, now - st.last_batch_ts),
             "last_event_age_seconds": None if st.last_received is None else now - st.last_received,
             "batches": st.batches,
+            "lane_batches": st.lane_batches,
             "gaps": st.gaps,
             "replayed_batches": st.replayed_batches,
             "lost_batches": st.lost_batches,

@@ -7,7 +7,8 @@ Files::
     prompt.py   what the gateway reads of a body (model, stream, prompt) and the
                 prompt's token ids (local tokenizer, else the engine's /tokenize)
     load.py     each engine's load: first-hand in-flight requests and uncomputed prompt
-                tokens, plus the engine's own /metrics (polled); reachability
+                tokens, plus the engine's own /metrics (polled for three gauges by
+                name; more often while routing, if so set); reachability
     metrics.py  the gateway's Prometheus metrics (requests, TTFT, latency, in flight,
                 predicted against reported cached tokens)
     errors.py   OpenAI-shaped errors

@@ -5,12 +5,19 @@ First hand (exact, instant): requests in flight from this gateway and the prompt
 they still had to compute (their prompt minus the cached prefix the index predicted),
 counted from the moment a request is sent until its answer ends.
 
-From the engine (polled every ``poll_interval_s`` by one task on the event loop):
-``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and
-``vllm:kv_cache_usage_perc``, summed over the engine's label sets. They include other
-clients' and other gateway replicas' requests, which is how several replicas balance
-without talking to each other: at each poll the engine's total minus what this gateway
-had in flight then is the rest of the world's load, carried until the next poll.
+From the engine (polled by one task on the event loop): ``vllm:num_requests_waiting``,
+``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc``, summed over the engine's
+label sets, asked for by name (:data:`FILTERED`) where the engine serves such a page. They include other clients' and other gateway replicas' requests, which is
+how several replicas balance without talking to each other: at each poll the engine's
+total minus what this gateway had in flight then (less those sent in the last
+:data:`SETTLE_S`, which the engine's gauges do not show yet) is the rest of the world's
+load, carried until the next poll. How old that figure is decides how well replicas balance:
+another replica's requests are invisible here until the next poll, so replicas that see
+the same stale figures send the same way. Hence two cadences: every
+``busy_interval_s`` while this gateway is routing (requests in flight, or one ended
+within the last ``interval_s``), every ``interval_s`` when it is idle; the first
+request after an idle spell wakes the poller at once. A poll's timeout is tied to the
+idle interval, so the fast cadence never makes a slow engine look unreachable sooner.
 
 :meth:`EngineLoads.load` combines them into the policy's
 :class:`~kvevents.routing.EngineLoad`: ``running`` = ours in flight now, ``waiting`` =
@@ -26,16 +33,32 @@ meanwhile. Failure here never raises into a request: a poll that fails is counte
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from kvevents.routing import EngineLoad
 
 log = logging.getLogger(__name__)
+
+#: Seconds a request sent to an engine takes to show in its gauges: the engine's HTTP
+#: front renders and tokenizes it, then its scheduler takes it in at the next step, and
+#: the gauges are those of the last step done. A poll subtracts from the engine's total
+#: only this gateway's requests older than this (measured on vLLM 0.32 CPU engines:
+#: 0.1-0.2 s; on a GPU less, and then a request counts as another's a little too long).
+SETTLE_S = 0.15
+
+#: What a poll asks for: the three gauges only, by the Prometheus client's ``name[]``
+#: filter. vLLM serves it under ``/metrics/`` (its ``/metrics`` route ignores the filter
+#: and renders every series, ~50 KB against ~0.5 KB: cheap enough to poll often). An
+#: engine whose ``/metrics/`` does not answer 200 with those gauges is read whole from
+#: then on.
+FILTERED = "/?" + "&".join("name%5B%5D=" + n.replace(":", "%3A") for n in (
+    "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"))
 
 _GAUGES = {b"vllm:num_requests_waiting": "waiting", b"vllm:num_requests_running": "running",
            b"vllm:kv_cache_usage_perc": "kv_usage"}
@@ -72,10 +95,14 @@ class TargetLoad:
     """One engine's load as the gateway knows it."""
 
     inflight: int = 0  # requests from this gateway, sent and not finished
+    # Monotonic send times of this gateway's requests of the last SETTLE_S seconds: the
+    # engine's gauges do not count them yet (see EngineLoads.poll).
+    recent: collections.deque = field(default_factory=collections.deque)
     prefill_tokens: int = 0  # their prompt tokens the index did not predict as cached
     others: float = 0.0  # the engine's waiting + running at the last poll, minus ours then
     kv_usage: float = 0.0
     polled_at: float | None = None  # monotonic time of the last good poll
+    filtered: bool | None = None  # whether its /metrics/ serves the filtered page (None: not tried)
     reachable: bool = True
     poll_failures: int = 0
     failed_in_row: int = 0  # polls failed since the last good one
@@ -92,6 +119,14 @@ class EngineLoads:
     def __init__(self, prefill_tokens_per_request: int = 2048) -> None:
         self.prefill_unit = max(1, prefill_tokens_per_request)
         self.targets: dict[str, TargetLoad] = {}
+        self._last_activity = -math.inf  # monotonic time a request last started or ended
+        self._wake: asyncio.Event | None = None  # set by a request start while the poller idles
+
+    def busy(self, within_s: float) -> bool:
+        """Whether this gateway is routing: a request in flight, or one started or ended
+        within the last ``within_s`` seconds."""
+        return (any(t.inflight for t in self.targets.values())
+                or time.monotonic() - self._last_activity < within_s)
 
     def of(self, engine: str) -> TargetLoad:
         t = self.targets.get(engine)
@@ -108,11 +143,18 @@ class EngineLoads:
         t = self.of(engine)
         t.inflight += 1
         t.prefill_tokens += prefill_tokens
+        now = self._last_activity = time.monotonic()
+        t.recent.append(now)
+        while t.recent and now - t.recent[0] > SETTLE_S:
+            t.recent.popleft()
+        if self._wake is not None:
+            self._wake.set()
 
     def finished(self, engine: str, prefill_tokens: int) -> None:
         t = self.of(engine)
         t.inflight = max(0, t.inflight - 1)
         t.prefill_tokens = max(0, t.prefill_tokens - prefill_tokens)
+        self._last_activity = time.monotonic()
 
     def unreachable(self, engine: str, why: str) -> None:
         t = self.of(engine)
@@ -127,11 +169,27 @@ class EngineLoads:
     async def poll(self, client: httpx.AsyncClient, engine: str, url: str, timeout: float) -> bool:
         """One poll of ``url`` (the engine's ``/metrics``); True when it answered."""
         t = self.of(engine)
-        inflight_then = t.inflight
+        # Ours that the engine counts: those in flight now less those sent too recently
+        # to show in its gauges (the rest would be taken for others' and then missed).
+        started = time.monotonic()
+        inflight_then = max(0, t.inflight - sum(started - s <= SETTLE_S for s in t.recent))
         try:
-            resp = await client.get(url, timeout=timeout)
-            resp.raise_for_status()
-            gauges = parse_engine_metrics(resp.content)
+            gauges = None
+            if t.filtered is not False and url.endswith("/metrics"):
+                resp = await client.get(url + FILTERED, timeout=timeout)
+                if resp.status_code == 200:
+                    gauges = parse_engine_metrics(resp.content)
+                if gauges is None or ("waiting" not in gauges and "running" not in gauges):
+                    gauges = None  # no such page, or it ignores the filter's names
+                    t.filtered = False
+                    log.info("engine %s: %s%s is not a filtered metrics page (HTTP %s); "
+                             "reading the whole page", engine, url, FILTERED, resp.status_code)
+                else:
+                    t.filtered = True
+            if gauges is None:
+                resp = await client.get(url, timeout=timeout)
+                resp.raise_for_status()
+                gauges = parse_engine_metrics(resp.content)
         except (httpx.HTTPError, OSError) as exc:
             t.poll_failures += 1
             t.failed_in_row += 1
@@ -154,12 +212,18 @@ class EngineLoads:
         t.reachable, t.last_error = True, None
         return True
 
-    async def poll_forever(self, client: httpx.AsyncClient, targets, interval: float) -> None:
-        """Poll every target's ``/metrics`` every ``interval`` seconds, concurrently,
-        each bounded by the interval; ``targets()`` -> {engine: metrics URL} now.
-        Runs until cancelled; survives its own errors (logged)."""
+    async def poll_forever(self, client: httpx.AsyncClient, targets, interval: float,
+                           busy_interval: float | None = None) -> None:
+        """Poll every target's ``/metrics``, concurrently, each bounded by ``interval``
+        (at least 0.2 s): every ``busy_interval`` seconds while :meth:`busy`, else every
+        ``interval`` seconds or as soon as a request starts; ``busy_interval`` None (or
+        not shorter than ``interval``): always every ``interval``. ``targets()`` ->
+        {engine: metrics URL} now. Runs until cancelled; survives its own errors (logged)."""
+        fast = busy_interval if busy_interval is not None and 0 < busy_interval < interval else None
+        self._wake = asyncio.Event()
         while True:
             started = time.monotonic()
+            self._wake.clear()
             try:
                 urls = targets()
                 self.forget(set(urls))
@@ -169,4 +233,16 @@ class EngineLoads:
                 raise
             except Exception:  # a poll bug must not end the loop: health would lie
                 log.exception("engine load poll failed; continuing")
-            await asyncio.sleep(max(0.05, interval - (time.monotonic() - started)))
+            spent = time.monotonic() - started
+            if fast is not None and self.busy(interval):
+                # A short pause even when the polls took longer than the cadence: a
+                # loaded engine's /metrics must not be asked back to back.
+                await asyncio.sleep(max(min(0.05, fast / 2), fast - spent))
+                continue
+            if fast is None:
+                await asyncio.sleep(max(0.05, interval - spent))
+                continue
+            try:  # idle: the next poll in ``interval``, or at once when a request starts
+                await asyncio.wait_for(self._wake.wait(), max(0.05, interval - spent))
+            except asyncio.TimeoutError:
+                pass

@@ -66,8 +66,8 @@ class Gateway:
 
     def __init__(self, router: Router, tokenizers: TokenizerRegistry, metrics: GatewayMetrics, *,
                  api_key: str | None = None, timeout_s: float = 600.0, max_inflight: int = 1024,
-                 poll_interval_s: float = 1.0, prefill_tokens_per_request: int = 2048,
-                 max_prompt_tokens: int = 1_000_000) -> None:
+                 poll_interval_s: float = 1.0, busy_poll_interval_s: float | None = 1.0,
+                 prefill_tokens_per_request: int = 2048, max_prompt_tokens: int = 1_000_000) -> None:
         self.router = router
         self.aggregator = router.aggregator
         self.tokenizers = tokenizers
@@ -76,6 +76,7 @@ class Gateway:
         self.timeout_s = timeout_s
         self.max_inflight = max_inflight
         self.poll_interval_s = poll_interval_s
+        self.busy_poll_interval_s = busy_poll_interval_s  # while routing (see load.py)
         self.max_prompt_tokens = max_prompt_tokens
         self.loads = EngineLoads(prefill_tokens_per_request)
         self.flights = InflightPrompts()  # prompts sent and not finished, per engine
@@ -95,7 +96,8 @@ class Gateway:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
         self.tokens = PromptTokens(self.tokenizers, self.client)
         self._poller = asyncio.create_task(self.loads.poll_forever(
-            self.client, self._metrics_urls, self.poll_interval_s), name="kvevents-gateway-poll")
+            self.client, self._metrics_urls, self.poll_interval_s, self.busy_poll_interval_s),
+            name="kvevents-gateway-poll")
 
     async def stop(self) -> None:
         if self._poller is not None:

@@ -6,6 +6,8 @@ Files, one concept each::
                   applies whole batches and matches a whole prompt in one call each
     _tables.pxi   its open-addressing hash tables (included by _core.pyx)
     _wire.pxi     its reader of the common wire batch, applied from the bytes
+    _sink.pxi     NogilLock (the facade's lock) and WireSink: an engine's handle for the
+                  ingest lane (applies its batches without the GIL; keeps its anchor)
     wire.py       IngestDecoder: common batches stay bytes (WireBatch), others decode
     engine_ids.py EngineIds: engine names <-> core ids (and each id's hash salt)
     counts.py     counters by engine name, kept across drops (the core counts per id)
@@ -24,6 +26,7 @@ Files, one concept each::
 """
 
 from ._core import REASONS as REFUSAL_REASONS
+from ._core import NogilLock, WireSink
 from .index import IndexBusy, PrefixIndex, feeds_prefix_matching
 from .wire import IngestDecoder, WireBatch
 from .results import (
@@ -39,6 +42,7 @@ from .results import (
 )
 
 __all__ = [
+    "WireSink",
     "REFUSAL_REASONS",
     "ApplyStats",
     "BlockHolder",
@@ -47,6 +51,7 @@ __all__ = [
     "IndexBusy",
     "IndexCounters",
     "IngestDecoder",
+    "NogilLock",
     "LookupResult",
     "EngineMatch",
     "PodMatch",

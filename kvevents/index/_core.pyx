@@ -219,12 +219,8 @@ cdef class Core:
     cdef public int max_namespaces, max_namespaces_per_engine, max_tiers, max_block_sizes
     cdef public dict block_sizes      # (model, lora) -> block sizes in use (lookups try each)
     cdef public object last_refusal   # (reason, detail) of the latest refusal, for logs
-    # The wire path's per-call caches (apply_batches resets them): medium bytes -> tier
-    # id, and the namespace of (the call's model, block size ``wns_bs``, no LoRA).
-    cdef char wmed[4][16]
-    cdef int wmed_len[4]
-    cdef int wmed_tier[4]
-    cdef int wmed_n, wnil_tier, wns, wns_bs
+    # The wire path's per-call cache (apply_batches resets it; see WireCache).
+    cdef WireCache wc
     cdef int nt                       # len(tier_name), for code without the GIL
 
     def __cinit__(self):
@@ -636,9 +632,7 @@ cdef class Core:
         counters (read with :meth:`engine_counters`), even when an error escapes (after
         the batches before it, and part of its own, were applied)."""
         self._reset_batch_counters()
-        self.wmed_n = 0
-        self.wnil_tier = -1
-        self.wns_bs = 0
+        _cache_reset(&self.wc)
         try:
             for b in batches:
                 if type(b) is WireBatch:
@@ -650,7 +644,7 @@ cdef class Core:
         return ApplyStats(self.c_events, stored, removed, self.c_cleared, self.c_unknown,
                           self.c_orphans, self.c_ignored, refused)
 
-    cdef void _reset_batch_counters(self):
+    cdef void _reset_batch_counters(self) noexcept nogil:
         cdef int t
         for t in range(MAX_TIERS):
             self.c_st_ev[t] = self.c_st_bl[t] = self.c_rm_ev[t] = self.c_rm_bl[t] = 0
@@ -680,24 +674,30 @@ cdef class Core:
         return 0
 
     cdef tuple _accumulate(self, int pid):
-        cdef int64_t* c = self.tot + pid * NC
         cdef int64_t stored = 0, removed = 0, refused = 0
+        self._accumulate_c(pid, &stored, &removed, &refused)
+        return stored, removed, refused
+
+    cdef void _accumulate_c(self, int pid, int64_t* stored, int64_t* removed,
+                            int64_t* refused) noexcept nogil:
+        """Add the call's counters to engine ``pid``'s cumulative ones; their stored,
+        removed and refused totals."""
+        cdef int64_t* c = self.tot + pid * NC
         cdef int t
         for t in range(MAX_TIERS):
             c[C_ST_EV + t] += self.c_st_ev[t]
             c[C_ST_BL + t] += self.c_st_bl[t]
             c[C_RM_EV + t] += self.c_rm_ev[t]
             c[C_RM_BL + t] += self.c_rm_bl[t]
-            stored += self.c_st_bl[t]
-            removed += self.c_rm_bl[t]
+            stored[0] += self.c_st_bl[t]
+            removed[0] += self.c_rm_bl[t]
         c[C_CLEARED] += self.c_cleared
         c[C_UNKNOWN] += self.c_unknown
         c[C_ORPHANS] += self.c_orphans
         c[C_IGNORED] += self.c_ignored
         for t in range(N_REASONS):
             c[C_REFUSED + t] += self.c_refused[t]
-            refused += self.c_refused[t]
-        return stored, removed, refused
+            refused[0] += self.c_refused[t]
 
     cdef void _refuse(self, int reason, str detail):
         self.c_refused[reason] += 1
@@ -940,99 +940,110 @@ cdef class Core:
         :meth:`_apply_events` does with the decoded events, through the same
         :meth:`_chain` / :meth:`_unref` (``scan`` accepted the bytes, so every event is
         of the common shape: only tier and namespace caps can refuse one). Runs without
-        the GIL (the facade's lock guards the core), taking it only to create a tier
-        or namespace, to count a refusal, or to empty the engine's kept original hashes
-        when it is cleared."""
+        the GIL (the facade's lock guards the core); see :meth:`_wire_events`."""
         cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(payload)
         cdef Py_ssize_t end = PyBytes_GET_SIZE(payload)
+        cdef bint orig = len(<dict>self.engine_orig[pid]) > 0
+        cdef int r
+        with nogil:
+            r = self._wire_events(pid, p, end, <void*>model, &self.wc, orig)
+        if r:
+            raise ValueError("a WireBatch whose bytes scan does not accept")
+        return 0
+
+    cdef int _wire_events(self, int pid, const uint8_t* p, Py_ssize_t end, void* model,
+                          WireCache* wc, bint orig) except -1 nogil:
+        """The events of a common-shape batch at ``p``, applied for engine ``pid``
+        (``model``: a borrowed reference to its model name; ``orig``: the engine keeps
+        original hashes). Takes the GIL only to resolve a tier or namespace that ``wc``
+        does not hold yet (then remembered there), to count a refusal, or to empty the
+        kept original hashes; a batch whose tiers and namespaces ``wc`` covers (the
+        lane's, checked by ``_w_scan``) with ``orig`` False never takes it. Returns 1
+        when the bytes are not of the common shape after all (nothing of the failing
+        event applied), else 0."""
         cdef double ts
         cdef int64_t n_items, n_events, i, j
         cdef WEvent ev
         cdef Py_ssize_t q, pos
         cdef int tier, ns
-        cdef bint neg = False, bad = False
-        cdef bint orig = len(<dict>self.engine_orig[pid]) > 0
-        with nogil:
-            pos = _w_batch(p, end, &ts, &n_items, &n_events)
-            for i in range(n_events):
-                pos = _w_event(p, pos, end, &ev) if pos >= 0 else -1
-                if pos < 0:
-                    bad = True
-                    break
-                self.c_events += 1
-                if not ev.feeds:
-                    self.c_ignored += 1
-                    continue
-                if ev.kind == EV_CLEARED:
-                    self._clear_engine(pid)
-                    if orig:
-                        with gil:
-                            (<dict>self.engine_orig[pid]).clear()
-                        orig = False
-                    self.c_cleared += 1
-                    continue
-                if ev.n == 0:
-                    continue
-                tier = self._wire_tier_cached(p, ev.mpos, ev.mlen)
-                if tier == -2:
+        cdef bint neg = False
+        pos = _w_batch(p, end, &ts, &n_items, &n_events)
+        for i in range(n_events):
+            pos = _w_event(p, pos, end, &ev) if pos >= 0 else -1
+            if pos < 0:
+                return 1
+            self.c_events += 1
+            if not ev.feeds:
+                self.c_ignored += 1
+                continue
+            if ev.kind == EV_CLEARED:
+                self._clear_engine(pid)
+                if orig:
                     with gil:
-                        tier = self._wire_tier(p, ev.mpos, ev.mlen)
-                if tier < 0:
-                    with gil:
-                        medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
-                        self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
-                    continue
-                self._scratch(ev.n, ev.n * ev.bs if ev.kind == EV_STORED else 0)
-                q = ev.hpos
-                for j in range(ev.n):
-                    q = _w_int(p, q, end, self.sh + j, &neg)
-                    if neg:
-                        self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
-                if ev.kind == EV_REMOVED:
-                    self._unref(pid, tier, ev.n, orig)
-                    continue
-                q = ev.tpos
-                for j in range(ev.n * ev.bs):
-                    q = _w_i64(p, q, end, self.stok + j)
-                if ev.has_parent and ev.parent_neg:
-                    self.pflags[pid] |= F_SIGNED
-                if self.wns_bs != ev.bs:
-                    with gil:
-                        ns = self._namespace(pid, model, ev.bs, None)
-                    if ns < 0:
-                        self.c_refused[R_NS_LIMIT] += 1
-                        continue
-                    self.wns, self.wns_bs = ns, ev.bs
-                self._chain(pid, self.wns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL)
-        if bad:
-            raise ValueError("a WireBatch whose bytes scan does not accept")
+                        (<dict>self.engine_orig[pid]).clear()
+                    orig = False
+                self.c_cleared += 1
+                continue
+            if ev.n == 0:
+                continue
+            tier = _cache_tier(wc, p, ev.mpos, ev.mlen)
+            if tier == -2:
+                with gil:
+                    tier = self._wire_tier(p, ev.mpos, ev.mlen)
+                _cache_put_tier(wc, p, ev.mpos, ev.mlen, tier)
+            if tier < 0:
+                with gil:
+                    medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
+                    self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
+                continue
+            self._scratch(ev.n, ev.n * ev.bs if ev.kind == EV_STORED else 0)
+            q = ev.hpos
+            for j in range(ev.n):
+                q = _w_int(p, q, end, self.sh + j, &neg)
+                if neg:
+                    self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
+            if ev.kind == EV_REMOVED:
+                self._unref(pid, tier, ev.n, orig)
+                continue
+            q = ev.tpos
+            for j in range(ev.n * ev.bs):
+                q = _w_i64(p, q, end, self.stok + j)
+            if ev.has_parent and ev.parent_neg:
+                self.pflags[pid] |= F_SIGNED
+            ns = _cache_ns(wc, ev.bs)
+            if ns == -2:
+                with gil:
+                    ns = self._namespace(pid, <object>model, ev.bs, None)
+                _cache_put_ns(wc, ev.bs, ns)
+            if ns < 0:
+                self.c_refused[R_NS_LIMIT] += 1
+                continue
+            self._chain(pid, ns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL)
         return 0
 
-    cdef inline int _wire_tier_cached(self, const uint8_t* p, Py_ssize_t mpos,
-                                      Py_ssize_t mlen) noexcept nogil:
-        """The call's cached tier id of a medium given as bytes (``mpos`` -1: none,
-        GPU); -2 when not cached yet."""
-        cdef int i
-        if mpos < 0:
-            return self.wnil_tier if self.wnil_tier >= 0 else -2
-        for i in range(self.wmed_n):
-            if self.wmed_len[i] == mlen and memcmp(self.wmed[i], p + mpos, mlen) == 0:
-                return self.wmed_tier[i]
-        return -2
+    cdef int _lane_apply(self, int pid, const uint8_t* p, Py_ssize_t end, WireCache* wc,
+                         int64_t* out) except -1 nogil:
+        """One common-shape batch that ``wc`` covers (``_w_scan`` checked), applied for
+        engine ``pid`` without the GIL, its counters added to the engine's; ``out``
+        gets its events, stored blocks, removed blocks and clears. The caller holds the
+        facade's lock and knows the engine keeps no original hashes."""
+        cdef int64_t stored = 0, removed = 0, refused = 0
+        self._reset_batch_counters()
+        try:
+            self._wire_events(pid, p, end, NULL, wc, False)
+        finally:
+            self._accumulate_c(pid, &stored, &removed, &refused)
+            out[0] += self.c_events
+            out[1] += stored
+            out[2] += removed
+            out[3] += self.c_cleared
+        return 0
 
     cdef int _wire_tier(self, const uint8_t* p, Py_ssize_t mpos, Py_ssize_t mlen) except -2:
-        """:meth:`tier` of a medium given as bytes, remembered in the call's cache."""
-        cdef int t
+        """:meth:`tier` of a medium given as bytes."""
         if mpos < 0:
-            self.wnil_tier = self.tier(None)
-            return self.wnil_tier
-        t = self.tier(p[mpos:mpos + mlen].decode("ascii"))
-        if t >= 0 and mlen <= 16 and self.wmed_n < 4:
-            memcpy(self.wmed[self.wmed_n], p + mpos, mlen)
-            self.wmed_len[self.wmed_n] = <int>mlen
-            self.wmed_tier[self.wmed_n] = t
-            self.wmed_n += 1
-        return t
+            return self.tier(None)
+        return self.tier(p[mpos:mpos + mlen].decode("ascii"))
 
     cpdef int clear_engine(self, int pid) except -1:
         """Forget everything engine ``pid`` holds, in every tier (its table too). Costs
@@ -1756,3 +1767,6 @@ cdef inline int _collect(int32_t* found, int n, uint64_t bits, int w) noexcept:
 cdef int _cmp_i64(const void* a, const void* b) noexcept nogil:
     cdef int64_t x = (<const int64_t*>a)[0], y = (<const int64_t*>b)[0]
     return (x > y) - (x < y)
+
+
+include "_sink.pxi"

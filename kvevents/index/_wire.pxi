@@ -42,6 +42,73 @@ ctypedef struct WEvent:
     Py_ssize_t mlen
 
 
+# What the wire path has resolved for one engine's model: medium bytes -> tier id, and
+# block size -> namespace id of (model, block size, no LoRA). ``Core.apply_batches``
+# keeps one per call (filled as it goes); a ``WireSink`` keeps one for its engine
+# (filled by ``refresh``), and the lane applies only batches it fully covers.
+ctypedef struct WireCache:
+    char med[4][16]
+    int med_len[4]
+    int med_tier[4]
+    int n_med
+    int nil_tier            # the tier of a nil medium (GPU); -1 not resolved yet
+    int64_t ns_bs[4]
+    int ns_id[4]
+    int n_ns
+
+
+cdef inline void _cache_reset(WireCache* c) noexcept nogil:
+    c.n_med = 0
+    c.nil_tier = -1
+    c.n_ns = 0
+
+
+cdef inline int _cache_tier(const WireCache* c, const uint8_t* p, Py_ssize_t mpos,
+                            Py_ssize_t mlen) noexcept nogil:
+    """The cached tier id of a medium given as bytes (``mpos`` -1: none, GPU); -2 when
+    not cached."""
+    cdef int i
+    if mpos < 0:
+        return c.nil_tier if c.nil_tier >= 0 else -2
+    for i in range(c.n_med):
+        if c.med_len[i] == mlen and memcmp(c.med[i], p + mpos, mlen) == 0:
+            return c.med_tier[i]
+    return -2
+
+
+cdef inline void _cache_put_tier(WireCache* c, const uint8_t* p, Py_ssize_t mpos,
+                                 Py_ssize_t mlen, int tier) noexcept nogil:
+    if tier < 0:
+        return
+    if mpos < 0:
+        c.nil_tier = tier
+    elif mlen <= 16 and c.n_med < 4:
+        memcpy(c.med[c.n_med], p + mpos, mlen)
+        c.med_len[c.n_med] = <int>mlen
+        c.med_tier[c.n_med] = tier
+        c.n_med += 1
+
+
+cdef inline int _cache_ns(const WireCache* c, int64_t bs) noexcept nogil:
+    """The cached namespace id of block size ``bs``; -2 when not cached."""
+    cdef int i
+    for i in range(c.n_ns):
+        if c.ns_bs[i] == bs:
+            return c.ns_id[i]
+    return -2
+
+
+cdef inline void _cache_put_ns(WireCache* c, int64_t bs, int ns) noexcept nogil:
+    if ns < 0:
+        return
+    if c.n_ns == 4:  # keep the newest: a store names one block size, usually the same
+        c.n_ns = 3
+        c.ns_bs[0], c.ns_id[0] = c.ns_bs[3], c.ns_id[3]
+    c.ns_bs[c.n_ns] = bs
+    c.ns_id[c.n_ns] = ns
+    c.n_ns += 1
+
+
 cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
     """``k`` bytes at ``p`` as a big-endian unsigned integer (msgpack's byte order)."""
     cdef uint64_t v = 0
@@ -409,8 +476,11 @@ cdef Py_ssize_t _w_batch(const uint8_t* p, Py_ssize_t end, double* ts, int64_t* 
     return _w_array(p, pos, end, n_events)
 
 
-cdef Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts) noexcept nogil:
-    """Whether a whole payload is a batch of the common shape: its event count, or -1."""
+cdef Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts,
+                        const WireCache* covered) noexcept nogil:
+    """Whether a whole payload is a batch of the common shape: its event count, or -1.
+    With ``covered``, also -1 unless every tier and namespace its events need is in that
+    cache (so applying it needs nothing else resolved)."""
     cdef int64_t n_items, n_events, i
     cdef uint64_t u
     cdef bint neg, present
@@ -422,6 +492,11 @@ cdef Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts) noexcept n
         pos = _w_event(p, pos, end, &ev)
         if pos < 0:
             return -1
+        if covered != NULL and ev.feeds and ev.kind != EV_CLEARED and ev.n > 0:
+            if _cache_tier(covered, p, ev.mpos, ev.mlen) < 0:
+                return -1
+            if ev.kind == EV_STORED and _cache_ns(covered, ev.bs) < 0:
+                return -1
     if n_items == 3:
         pos = _w_nil_or_int(p, pos, end, &present, &u, &neg)  # data_parallel_rank
     if pos != end:
@@ -473,7 +548,7 @@ def scan(payload):
     cdef Py_ssize_t n = PyBytes_GET_SIZE(payload)
     cdef Py_ssize_t r
     with nogil:
-        r = _w_scan(p, n, &ts)
+        r = _w_scan(p, n, &ts, NULL)
     if r < 0:
         return None
     return WireBatch(ts, payload)

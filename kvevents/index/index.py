@@ -21,8 +21,15 @@ with hashes or tokens of the wrong type or range, is refused whole, counted by r
 (``counters().refused_events``) and logged at most once a minute per engine and reason;
 the rest of its batch applies.
 
+The ingest lane: :meth:`sink` gives an engine's :class:`~kvevents.index._core.WireSink`,
+through which the subscriber's compiled pass applies that engine's common batches
+straight from the received messages, without the GIL, taking ``self.lock`` per batch;
+the sink also keeps the engine's anchor (the last batch applied, by either path), and
+:meth:`export_state_with_anchors` reads them under the same lock as the state.
+
 Thread-safety: one writer (the ingest thread) and any number of readers (HTTP). Every
-public method takes ``self.lock`` (a plain ``threading.Lock``) for a time bounded by
+public method takes ``self.lock`` (a :class:`~kvevents.index._core.NogilLock`, used like
+``threading.Lock``; compiled code takes it without the GIL) for a time bounded by
 its own input: one batch, one prompt, or one chunk of an inspection query; nothing
 holds it for a time that grows with the index. ``lookup(..., blocking=False)`` raises
 :class:`IndexBusy` instead of waiting, so an event loop can hand the wait to a thread.
@@ -33,14 +40,13 @@ call index methods while holding it).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..wire.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from . import queries, state
-from ._core import Core, WireBatch
+from ._core import Core, NogilLock, WireBatch, WireSink
 from .counts import Counts, all_counts, fold
 from .engine_ids import EngineIds
 from .results import (
@@ -110,12 +116,16 @@ class PrefixIndex:
         ``max_namespaces_per_engine`` (engines were called pods), used when given."""
         if max_namespaces_per_pod is not None:
             max_namespaces_per_engine = max_namespaces_per_pod
-        self.lock = threading.Lock()
+        self.lock = NogilLock()
+        self._sinks: dict[str, WireSink] = {}
         self._limits = (keep_tokens, max_namespaces, max_namespaces_per_engine, max_tiers,
                         max_block_sizes)
         self._reset()
 
     def _reset(self) -> None:
+        for sink in getattr(self, "_sinks", {}).values():
+            sink.invalidate()  # bound to the core being replaced
+        self._sinks = {}
         self._core = Core(*self._limits)
         self._engines = EngineIds()
         # Counters of engines' past lives by name (monotonic, kept across drops); the live
@@ -173,6 +183,25 @@ class PrefixIndex:
             start = stop
         return total if total is not None else ApplyStats()
 
+    def sink(self, engine: str, model: str | None = None,
+             lag_bounds: Sequence[float] = ()) -> WireSink:
+        """``engine``'s :class:`~kvevents.index._core.WireSink` (made on first use,
+        creating the engine's id like a first batch would): the lane's way in, and the
+        keeper of the engine's anchor. ``model`` as for :meth:`apply_batches`;
+        ``lag_bounds``: bucket bounds of the apply-lag histogram it keeps. Valid until
+        the engine is dropped or the index replaced; call its ``refresh()`` before each
+        drain (on the ingest thread)."""
+        with self.lock:
+            sink = self._sinks.get(engine)
+            if sink is None:
+                pid = self._engines.get(engine)
+                if pid is None:
+                    pid, salt = self._engines.add(engine)
+                    self._core.ensure_engine(pid, salt)
+                sink = self._sinks[engine] = WireSink(self._core, self.lock, pid, model,
+                                                      tuple(lag_bounds))
+            return sink
+
     def _log_refusal(self, engine: str) -> None:
         detail = self._core.last_refusal
         reason = detail[0] if detail else "refused"
@@ -190,6 +219,9 @@ class PrefixIndex:
         the name is kept, so engines that come and go leave no trace). Unknown engines
         are ignored."""
         with self.lock:
+            sink = self._sinks.pop(engine, None)
+            if sink is not None:
+                sink.invalidate()
             pid = self._engines.get(engine)
             if pid is not None:
                 if not forget:
@@ -326,10 +358,17 @@ class PrefixIndex:
 
     def export_state(self) -> bytes:
         """The whole index (tables, engines, counters) as bytes, for snapshots."""
+        return self.export_state_with_anchors()[0]
+
+    def export_state_with_anchors(self) -> tuple[bytes, dict[str, tuple[int, float]]]:
+        """:meth:`export_state` and every engine's anchor (seq and timestamp of the last
+        batch applied, from its sink), read under one hold of the lock: they agree."""
         with self.lock:
-            return state.export_state(self._core, self._engines,
+            data = state.export_state(self._core, self._engines,
                                       all_counts(self._core, self._engines, self._counts),
                                       self._limits)
+            anchors = {e: a for e, s in self._sinks.items() if (a := s.anchor) is not None}
+            return data, anchors
 
     def import_state(self, data: bytes) -> None:
         """Replace the whole index with :meth:`export_state`'s bytes. Raises

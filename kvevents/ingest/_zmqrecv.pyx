@@ -16,10 +16,14 @@ smaller) :func:`load` raises ``OSError`` and callers use pyzmq's calls instead.
 
 Lifecycle: :func:`load` once per process; :func:`drain` only from the thread that owns
 the socket (ZeroMQ sockets are not thread-safe) and only on an open socket.
+
+Also here (``_lane.pxi``): each source's stream :class:`Cursor` and :class:`DigestRing`,
+and ``Cursor.lane_drain``, the same drain that hands a source's in-order batches to a
+compiled sink without the GIL.
 """
 
 cimport cython
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uintptr_t
 
 cdef extern from "<dlfcn.h>" nogil:
@@ -158,3 +162,6 @@ def drain(uintptr_t handle, int max_msgs, Py_ssize_t max_bytes, list out):
         if taken >= max_bytes:
             break
     return n
+
+
+include "_lane.pxi"

@@ -26,6 +26,7 @@ the attributes used here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from kvevents.ingest.signals import BatchesLost, BatchesReceived, BatchReceived, Consumer, Signal
@@ -59,6 +60,10 @@ class Delivery:
     _group_replayed: bool
     _group: list[tuple[int, DecodeResult]]
     _seq_window: int
+    _lane: object | None
+    _sources: dict[str, SourceState]
+
+    _report_lane: Callable[[SourceState], None]  # the Subscriber's
 
     def _lose(self, src: SourceState, first: int, count: int, reason: str) -> None:
         if count > self._seq_window:
@@ -124,6 +129,10 @@ class Delivery:
     def _emit(self, signal: Signal, *, flush: bool = True) -> None:
         if flush and self._group:
             self._flush_group()  # every signal after the batches collected before it
+        if self._lane is not None:
+            src = self._sources.get(signal.source)
+            if src is not None and src.cursor.pending_report:
+                self._report_lane(src)  # ... and after what the lane applied before it
         try:
             self._consumer(signal)
         except Exception:

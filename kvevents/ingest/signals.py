@@ -5,7 +5,8 @@ several consecutive batches in one signal, from a subscriber built with
 ``group_batches=True``) in the order given; on
 :class:`PublisherRestarted`, :class:`BatchesLost` and :class:`Resynced` drop that
 source's state (what follows rebuilds it); :class:`GapDetected` is informational (the
-gap is being replayed).
+gap is being replayed); :class:`BatchesApplied` reports what the consumer's own sink
+applied through the lane (only for a subscriber given ``lane=``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ class BatchesReceived:
     batches: list[KVEventBatch]
     replayed: bool = False
     skipped_events: int = 0  # events of these batches that could not be decoded
+
+
+@dataclass(frozen=True, slots=True)
+class BatchesApplied:
+    """Consecutive live batches ``first_seq``..``last_seq`` (``count`` of them) of one
+    source that the consumer's own compiled sink already applied (the lane: see
+    ``Subscriber(lane=...)``); the consumer only observes them (feeds, errors). Sent at
+    most every ``Subscriber._LANE_REPORT_S`` per source, and always before any other
+    signal of that source. ``failed``: the sink failed on ``last_seq`` part way (its
+    exception is the sink's to report); the consumer must rebuild the source."""
+
+    source: str
+    first_seq: int
+    last_seq: int
+    count: int
+    payload_bytes: int
+    failed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,5 +91,6 @@ class Resynced:
     reason: str
 
 
-Signal = BatchReceived | BatchesReceived | GapDetected | BatchesLost | PublisherRestarted | Resynced
+Signal = (BatchReceived | BatchesReceived | BatchesApplied | GapDetected | BatchesLost
+          | PublisherRestarted | Resynced)
 Consumer = Callable[[Signal], None]

@@ -1,5 +1,13 @@
 """One followed publisher: its configuration, its counters, and the subscriber's
-private per-source state (owned by the subscriber's loop thread)."""
+private per-source state (owned by the subscriber's loop thread).
+
+The stream position (``expected``, ``live_high``, ``stream_high``, ``jump_streak``,
+whether a replay is under way), the continuity digests and the delivery counters
+(``batches``, ``last_seq``, ``last_batch_ts``) live in the source's compiled
+:class:`~kvevents.ingest._zmqrecv.Cursor`, which the lane (the compiled receive-and-apply
+pass) updates without the GIL; :class:`SourceState` and the live :class:`SourceStats`
+read and write the same fields through properties, so the Python path and the lane
+share one state."""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvevents.ingest.continuity import DigestRing
+from kvevents.ingest._zmqrecv import Cursor
 from kvevents.wire.framing import check_engine_endpoint
 
 
@@ -44,6 +52,7 @@ class SourceStats:
     """Counters of one source; written by the subscriber thread only."""
 
     batches: int = 0
+    lane_batches: int = 0  # of ``batches``, those the lane applied (the compiled pass)
     replayed_batches: int = 0
     gaps: int = 0
     lost_batches: int = 0
@@ -69,22 +78,47 @@ class SourceStats:
     initial_replay_done: bool = False  # first contact finished (replayed or live)
 
 
+def _cursor_field(name: str, cursor: str = "_cursor") -> property:
+    """A property that reads and writes the field ``name`` of ``self.<cursor>``."""
+    def get(self):
+        return getattr(getattr(self, cursor), name)
+
+    def put(self, value) -> None:
+        setattr(getattr(self, cursor), name, value)
+    return property(get, put)
+
+
+class _LiveStats(SourceStats):
+    """A source's counters as the subscriber keeps them: ``batches``, ``lane_batches``,
+    ``last_seq`` and ``last_batch_ts`` are its cursor's (the lane counts there).
+    :meth:`snapshot` gives a plain :class:`SourceStats`."""
+
+    batches = _cursor_field("batches")  # type: ignore[assignment]
+    lane_batches = _cursor_field("lane_batches")  # type: ignore[assignment]
+    last_seq = _cursor_field("last_seq")  # type: ignore[assignment]
+    last_batch_ts = _cursor_field("last_batch_ts")  # type: ignore[assignment]
+
+    def __init__(self, cursor: Cursor) -> None:
+        self._cursor = cursor
+        super().__init__()
+
+    def snapshot(self) -> SourceStats:
+        values = {k: v for k, v in vars(self).items() if k != "_cursor"}
+        return SourceStats(**values, batches=self.batches, lane_batches=self.lane_batches,
+                           last_seq=self.last_seq, last_batch_ts=self.last_batch_ts)
+
+
 @dataclass
 class SourceState:
     """The subscriber's private state of one source (loop thread only)."""
 
     config: SourceConfig
+    cursor: Cursor = field(default_factory=Cursor)
     sub: zmq.Socket | None = None
-    stats: SourceStats = field(default_factory=SourceStats)
-    expected: int | None = None  # next seq to deliver; None before first contact
     dealer: zmq.Socket | None = None  # one per source, reused across replays
     monitor: zmq.Socket | None = None
-    live_high: int | None = None  # highest seq seen on the live socket
-    # Newest seq delivered (or restored from a snapshot) of the stream followed now; None
-    # after a reset. Unlike stats.last_seq it forgets a restarted publisher's old seqs.
-    stream_high: int | None = None
     next_probe: float | None = None  # when to ask for history before first contact
-    replay_deadline: float | None = None  # idle deadline, set while a replay is outstanding
+    _replay_deadline: float | None = None
     replay_hard_deadline: float | None = None  # progress deadline of the same replay
     replay_cap: float | None = None  # absolute cap of the same replay
     replay_start: int = 0  # the seq the outstanding replay was asked from
@@ -93,9 +127,32 @@ class SourceState:
     replay_retry_at: float = 0.0
     pending: deque[tuple[int, bytes]] = field(default_factory=deque)  # live, held back
     pending_bytes: int = 0
-    digests: DigestRing = field(default_factory=DigestRing)
     verify: bool = False  # a continuity check is wanted (after a reconnect or a jump)
     ever_connected: bool = False
-    jump_streak: int = 0
     open_retry_at: float = 0.0
     open_backoff: float = 0.0
+    # When what the lane applied was last reported to the consumer (BatchesApplied).
+    reported_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.stats: _LiveStats = _LiveStats(self.cursor)
+
+    # The cursor's fields (see the module docstring).
+    expected = _cursor_field("expected", "cursor")  # next seq to deliver; None before first contact
+    live_high = _cursor_field("live_high", "cursor")  # highest seq seen on the live socket
+    # Newest seq delivered (or restored from a snapshot) of the stream followed now; None
+    # after a reset. Unlike stats.last_seq it forgets a restarted publisher's old seqs.
+    stream_high = _cursor_field("stream_high", "cursor")
+    jump_streak = _cursor_field("jump_streak", "cursor")
+    digests = _cursor_field("digests", "cursor")  # what was delivered last, for continuity checks
+
+    @property
+    def replay_deadline(self) -> float | None:
+        """Idle deadline, set while a replay is outstanding (live messages are then held
+        back: the lane leaves them to the Python path)."""
+        return self._replay_deadline
+
+    @replay_deadline.setter
+    def replay_deadline(self, value: float | None) -> None:
+        self._replay_deadline = value
+        self.cursor.replaying = value is not None

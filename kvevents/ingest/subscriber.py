@@ -40,9 +40,20 @@ Lifecycle: construct with a consumer callback -> ``add_source`` (any time) ->
 sockets). Or drive it yourself with ``poll_once`` from a single thread. The consumer
 runs on the loop thread; it must not block for long.
 
+The lane (``lane=``, the aggregator's): a live socket's drain runs in compiled code
+without the GIL (``Cursor.lane_drain`` in :mod:`kvevents.ingest._zmqrecv`), handing each
+next in-order batch straight to the consumer's compiled sink, which applies it; the
+first message it does not take (anything but that common case) ends the lane's drain
+and goes through the Python path below, which shares the same per-source cursor (the
+next drain tries the lane again; a drain whose first message is not the lane's goes
+the Python way whole). The
+consumer learns what the sink applied from :class:`BatchesApplied`, at most every
+``_LANE_REPORT_S`` per source and before any other signal of that source.
+
 Here: the :class:`Subscriber` (construction, public API, loop thread, watchdog,
-``poll_once``, housekeeping). Its mixins, run by the loop thread: :mod:`.stream` (seq
-tracking), :mod:`.replay`, :mod:`.delivery`, :mod:`.sockets`; receiving is :mod:`.drain`.
+``poll_once``, housekeeping, the lane's drains and reports). Its mixins, run by the
+loop thread: :mod:`.stream` (seq tracking), :mod:`.replay`, :mod:`.delivery`,
+:mod:`.sockets`; receiving is :mod:`.drain`; the GIL-hold meter is :mod:`.gilmeter`.
 """
 
 from __future__ import annotations
@@ -68,7 +79,9 @@ from kvevents.ingest.drain import (  # noqa: F401  (some re-exported, for tests 
 )
 from kvevents.ingest.memory import release_memory
 from kvevents.ingest.replay import ReplayClient
+from kvevents.ingest.gilmeter import HoldMeter
 from kvevents.ingest.signals import (
+    BatchesApplied,
     BatchesLost,
     BatchesReceived,
     BatchReceived,
@@ -87,7 +100,7 @@ log = logging.getLogger(__name__)
 
 
 __all__ = [
-    "BatchReceived", "BatchesReceived", "BatchesLost", "Consumer", "GapDetected", "PublisherRestarted",
+    "BatchReceived", "BatchesApplied", "BatchesReceived", "BatchesLost", "Consumer", "GapDetected", "PublisherRestarted",
     "Resynced", "Signal", "SourceConfig", "SourceStats", "Subscriber",
 ]
 
@@ -108,6 +121,9 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
     # Release freed heap memory after this many received bytes, once idle.
     _TRIM_AFTER_BYTES = 32 << 20
     _WATCHDOG_S = 0.5
+    # How often what the lane applied is reported to the consumer (BatchesApplied), per
+    # source; a source's report also goes out before any other signal of it.
+    _LANE_REPORT_S = 0.1
 
     def __init__(
         self,
@@ -123,6 +139,7 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         compiled_recv: bool = True,
         group_batches: bool = False,
         decoder: PayloadDecoder | None = None,
+        lane: Callable[[str], object | None] | None = None,
     ) -> None:
         """``compiled_recv``: receive
         through :mod:`kvevents.ingest._zmqrecv` where it loaded (False: always through
@@ -131,9 +148,18 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         :class:`BatchesReceived` instead of one :class:`BatchReceived` each (a source's
         stats then show them once they were delivered). ``decoder``: decodes each
         payload instead of a :class:`~kvevents.wire.schema.BatchDecoder` (the aggregator's,
-        ``kvevents.index.IngestDecoder``, keeps common batches as bytes for the index)."""
+        ``kvevents.index.IngestDecoder``, keeps common batches as bytes for the index).
+        ``lane``: ``lane(source)`` gives the consumer's compiled sink for a source (a
+        capsule, see ``kvevents/ingest/lane_abi.pxd``) or None; asked once per drain of
+        its live socket. With a sink, that drain runs the lane: the next in-order
+        batches are received, checked and applied by the sink without the GIL, the
+        consumer is told by :class:`BatchesApplied`, and everything else takes the
+        Python path as without it (needs the compiled drain: ``compiled_recv``)."""
         self._consumer = consumer
         self._drain = _DRAIN if compiled_recv else _drain_python
+        self._lane = lane if self._drain is _drain_compiled else None
+        # The loop thread's stretches of Python between two GIL releases.
+        self.gil_holds = HoldMeter()
         self._group_batches = group_batches
         # Sockets that had messages in the last poll, drained again first; see
         # _ready_sockets.
@@ -197,7 +223,7 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         """A shallow snapshot of every source's counters (kept after ``stop()``)."""
         if self._final_stats is not None:
             return self._final_stats
-        return {n: SourceStats(**vars(s.stats)) for n, s in list(self._sources.items())}
+        return {n: s.stats.snapshot() for n, s in list(self._sources.items())}
 
     def running(self) -> bool:
         """True while the loop thread is alive (False before ``start`` and after ``stop``)."""
@@ -266,7 +292,9 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
                     # Whatever went wrong, the other publishers must keep flowing.
                     self.loop_errors += 1
                     log.exception("subscriber loop iteration failed; retrying in %.2fs", backoff)
+                    self.gil_holds.releasing()
                     self._stop.wait(backoff)
+                    self.gil_holds.resumed()
                     backoff = min(backoff * 2, self._BACKOFF_MAX_S)
         finally:
             if self._stop.is_set():
@@ -316,13 +344,24 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
             src, role = entry
             self._busy = src.config.name
             msgs: list[list[bytes]] = []
+            # The lane only where it can take the next message: not while a replay holds
+            # live messages back, nor before first contact.
+            sink = (self._lane(src.config.name) if self._lane is not None and role == "live"
+                    and src.replay_deadline is None and src.expected is not None else None)
             try:
-                self._drain(sock, _DRAIN_MAX, _DRAIN_MAX_BYTES, msgs)  # bounded: see there
+                if sink is not None:
+                    taken = self._lane_drain(src, sock, sink, msgs)
+                    if taken:
+                        hot.append(sock)
+                        handled += taken - len(msgs)
+                else:
+                    self._drain(sock, _DRAIN_MAX, _DRAIN_MAX_BYTES, msgs)  # bounded: see there
             except OSError as exc:  # what came before the error is still handled
                 src.stats.socket_errors += 1
                 log.warning("receive on %s socket of %s failed: %s", role, src.config.name, exc)
             if msgs:
-                hot.append(sock)
+                if sink is None:
+                    hot.append(sock)
                 if role != "monitor":
                     src.stats.last_received = time.time()  # once per drain, not per message
             # Progress is liveness: a long drain of a busy publisher is not "stuck".
@@ -344,6 +383,45 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
             self._flush_group()
         return handled, hot
 
+    def _lane_drain(self, src: SourceState, sock: zmq.Socket, sink: object,
+                    msgs: list[list[bytes]]) -> int:
+        """One drain of ``src``'s live socket through the lane (see ``lane`` in
+        ``__init__``): what the sink applied is counted on the cursor, and the message
+        the lane stopped at (if any) is left in ``msgs`` for the Python path. Returns
+        how many messages were taken. A sink that failed is reported at once."""
+        self._flush_group()  # the Python path's batches so far go first
+        cursor = src.cursor
+        before = cursor.lane_batches
+        self.gil_holds.releasing()
+        try:
+            taken = cursor.lane_drain(sock.underlying, sink, _DRAIN_MAX, _DRAIN_MAX_BYTES, msgs)
+        finally:
+            self.gil_holds.resumed()
+            if cursor.lane_batches != before:
+                src.stats.last_received = time.time()  # once per drain, not per message
+            if cursor.report_failed:
+                self._report_lane(src)
+        if msgs and cursor.lane_batches == before:
+            # Not even the first message was the lane's (a stream the sink cannot take,
+            # say): the rest of this drain goes the Python way at once, not one lane
+            # attempt per message.
+            taken += self._drain(sock, _DRAIN_MAX - taken, _DRAIN_MAX_BYTES, msgs)
+        return taken
+
+    def _report_lane(self, src: SourceState) -> None:
+        """Tell the consumer what the lane applied for ``src`` since the last report."""
+        report = src.cursor.take_report()
+        if report is None:
+            return
+        count, first, last, nbytes, failed = report
+        src.reported_at = time.monotonic()
+        self._bytes_since_trim += nbytes
+        try:
+            self._consumer(BatchesApplied(src.config.name, first, last, count, nbytes, failed))
+        except Exception:
+            # A consumer bug must not stop the stream of every other publisher.
+            log.exception("consumer failed on BatchesApplied")
+
     def _ready_sockets(self, timeout_ms: int) -> tuple[list[zmq.Socket], bool]:
         """The sockets to drain now, and whether ``zmq_poll`` chose them. While messages
         flow, those that had some last time are drained again without asking
@@ -352,17 +430,25 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         over them finds nothing, all sockets are polled (with ``timeout_ms`` to wait),
         so none waits long."""
         if not self._by_socket:
+            self.gil_holds.releasing()
             time.sleep(timeout_ms / 1000)
+            self.gil_holds.resumed()
             return [], True
         now = time.monotonic()
         if self._hot and now < self._next_full_poll:
             return self._hot, False
         self._next_full_poll = now + self._FULL_POLL_S
-        return [sock for sock, _ in self._poller.poll(timeout_ms)], True
+        self.gil_holds.releasing()
+        try:
+            return [sock for sock, _ in self._poller.poll(timeout_ms)], True
+        finally:
+            self.gil_holds.resumed()
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
         for src in list(self._sources.values()):
+            if src.cursor.pending_report and now - src.reported_at >= self._LANE_REPORT_S:
+                self._report_lane(src)  # what the lane applied, due (see _LANE_REPORT_S)
             if src.sub is None:
                 if now >= src.open_retry_at:
                     self._open(src)

@@ -2,7 +2,8 @@
 for longer than a bound.
 
 A lookup holds the index lock for microseconds, and the ingest thread holds it for one
-part of a group at a time (``PrefixIndex.apply_batches``: about 16 KiB of batches, a
+batch at a time in the lane (handing it to a waiting lookup first), or one part of a
+group on the Python path (``PrefixIndex.apply_batches``: about 16 KiB of batches, a
 tenth of a millisecond here). So the caller waits for the lock on the event loop for at
 most ``_LOOP_WAIT_S``; only past that (the ingest thread descheduled while holding it,
 say) does the wait move to the thread pool, and the event loop keeps serving other

@@ -48,6 +48,7 @@ from kvevents.engines import EngineBudgetError, EngineExistsError, EngineRegistr
 from kvevents.index import IngestDecoder, LookupResult, PrefixIndex
 from kvevents.ingest import ratelog
 from kvevents.ingest.budget import Budget, make_context, plan_budget
+from kvevents.ingest.gilmeter import HoldMeter
 from kvevents.ingest.subscriber import SourceStats, Subscriber
 from kvevents.service import snapshot
 from kvevents.service.apply import IndexWriter
@@ -91,6 +92,8 @@ class Aggregator:
             context=self._zmq,
             decoder=IngestDecoder(),  # common batches stay bytes: the index reads them in place
             group_batches=True,  # one lock, core call, metric and feed item per drain
+            # In-order common batches applied without the GIL (settings.ingest_lane).
+            lane=self.writer.lane if settings.ingest_lane else None,
         )
         self._started = False
         self.started_at = time.time()
@@ -186,6 +189,10 @@ class Aggregator:
 
     # -- health ------------------------------------------------------------------------
 
+    def ingest_gil_holds(self) -> HoldMeter:
+        """The ingest thread's stretches between GIL releases (see kvevents.ingest.gilmeter)."""
+        return self._subscriber.gil_holds
+
     def ingest_health(self) -> dict:
         """``ok`` False with a ``reason`` when ingest is not running or stuck (its
         loop's heartbeat older than ``ingest_stuck_after_s`` while engines are followed;
@@ -194,7 +201,8 @@ class Aggregator:
         age = time.monotonic() - sub.heartbeat
         out = {"ok": True, "reason": None, "heartbeat_age_seconds": round(age, 3),
                "loop_errors": sub.loop_errors, "thread_restarts": sub.thread_restarts,
-               "recovery_given_up": self.recovery_given_up}
+               "recovery_given_up": self.recovery_given_up,
+               "gil_hold_longest_seconds": round(sub.gil_holds.longest, 6)}
         if not self._started or not sub.running():
             out.update(ok=False, reason="ingest is not running")
         elif age > self.settings.ingest_stuck_after_s and len(self.engines):

@@ -8,6 +8,12 @@ seq order on the subscriber's loop thread:
   timestamp of the last batch applied) is recorded under :attr:`IndexWriter.lock`
   together with the apply, so a snapshot captured under the same lock always pairs an
   index state with the anchors it holds.
+* The lane (:meth:`IndexWriter.lane`, the subscriber's ``lane=``): the engine's
+  :class:`~kvevents.index._core.WireSink` applies its common batches straight from the
+  received messages without the GIL, and records the anchor itself under the index's
+  lock (a capture holds both locks). :class:`BatchesApplied` then reports them, at most
+  every 0.1 s: the apply-lag histogram and the feed are fed once per report. A sink that
+  failed part way is handled like a failed group (below).
 * :class:`PublisherRestarted` and :class:`BatchesLost`: the engine's state is dropped
   (the index only claims blocks it can vouch for); its new announcements rebuild it.
 * :class:`Resynced`: dropped likewise, after a failed apply or a continuity break.
@@ -26,9 +32,10 @@ import threading
 from collections.abc import Callable
 
 from kvevents.engines import EngineRegistry
-from kvevents.index import ApplyStats, PrefixIndex
+from kvevents.index import ApplyStats, PrefixIndex, WireSink
 from kvevents.index.results import add_stats
 from kvevents.ingest.signals import (
+    BatchesApplied,
     BatchesLost,
     BatchesReceived,
     GapDetected,
@@ -38,6 +45,7 @@ from kvevents.ingest.signals import (
 )
 from kvevents.service.feed import EventFeed
 from kvevents.service.metrics import AggregatorMetrics
+from kvevents.service.metrics.lag import LAG_BUCKETS
 from kvevents.wire.schema import KVEventBatch
 
 log = logging.getLogger(__name__)
@@ -54,10 +62,12 @@ class IndexWriter:
         self.metrics = metrics
         self.feed = feed
         self._resync = resync
-        # Held while a batch is applied and its anchor recorded, and while a snapshot
-        # is captured, so a snapshot's index state and anchors always agree.
+        # Held while the Python path applies a group and records its anchor, and while a
+        # snapshot is captured, so a snapshot's index state and anchors always agree (the
+        # lane records its anchors under the index's lock, which a capture holds too).
         self.lock = threading.Lock()
-        self.anchors: dict[str, tuple[int, float]] = {}  # engine -> (seq, ts) last applied
+        # engine -> its sink (anchor keeper and, outside careful mode, the lane's way in).
+        self._sinks: dict[str, WireSink] = {}
         # (engine, kind) -> count of exceptions while applying (kind: exception or event type).
         self.apply_errors: dict[tuple[str, str], int] = {}
         # engine -> [seq of the batch that failed, resync seen]: while set, that engine's
@@ -69,15 +79,32 @@ class IndexWriter:
     def resume(self, engine: str, seq: int, ts: float) -> None:
         """The engine's restored state holds its batches up to ``seq`` (stamped ``ts``)."""
         with self.lock:
-            self.anchors[engine] = (seq, ts)
+            self._sink(engine).set_anchor(seq, ts)
+
+    def _sink(self, engine: str) -> WireSink:
+        sink = self._sinks.get(engine)
+        if sink is None or not sink.valid:
+            sink = self._sinks[engine] = self.index.sink(
+                engine, self.engines.model_of(engine)[1], LAG_BUCKETS)
+        return sink
+
+    def lane(self, engine: str) -> object | None:
+        """The subscriber's ``lane``: the capsule of ``engine``'s sink, refreshed, or None
+        while the engine is unknown or being rebuilt event by event (careful mode). Runs
+        on the ingest thread once per drain."""
+        if engine in self._careful or not self.engines.model_of(engine)[0]:
+            return None
+        sink = self._sink(engine)
+        sink.refresh()
+        return sink.capsule
 
     def drop(self, engine: str, *, forget: bool = True) -> None:
         """Forget the engine's blocks and anchor (nothing restorable until rebuilt).
         ``forget`` (the service unsubscribed it): its counters and apply errors too, so
         engines that come and go leave nothing behind; a restart or a loss keeps them."""
         with self.lock:
-            self.index.drop_engine(engine, forget=forget)
-            self.anchors.pop(engine, None)
+            self.index.drop_engine(engine, forget=forget)  # its sink and anchor with it
+            self._sinks.pop(engine, None)
             if forget:
                 self._careful.pop(engine, None)
                 for key in [k for k in self.apply_errors if k[0] == engine]:
@@ -86,7 +113,7 @@ class IndexWriter:
     def capture(self) -> tuple[bytes, dict[str, tuple[int, float]]]:
         """The index state and the anchors it holds, taken together."""
         with self.lock:
-            return self.index.export_state(), dict(self.anchors)
+            return self.index.export_state_with_anchors()
 
     # -- the subscriber's consumer (its loop thread) ------------------------------------
 
@@ -94,7 +121,9 @@ class IndexWriter:
         known, model = self.engines.model_of(sig.source)
         if not known:
             return  # removed while its last messages were in flight
-        if isinstance(sig, BatchesReceived):  # our subscriber groups: no BatchReceived
+        if isinstance(sig, BatchesApplied):
+            self._on_applied(sig)
+        elif isinstance(sig, BatchesReceived):  # our subscriber groups: no BatchReceived
             self._on_batches(sig, model)
         elif isinstance(sig, PublisherRestarted):
             self.drop(sig.source, forget=False)
@@ -108,6 +137,7 @@ class IndexWriter:
                                        "count": sig.count, "reason": sig.reason})
         elif isinstance(sig, Resynced):
             self.index.drop_engine(sig.source)
+            self._sinks.pop(sig.source, None)
             careful = self._careful.get(sig.source)
             if careful is not None:
                 careful[1] = True
@@ -117,12 +147,38 @@ class IndexWriter:
             self.feed.publish("gap", {"engine": sig.source, "expected": sig.expected_seq,
                                       "received": sig.received_seq})
 
+    def _on_applied(self, sig: BatchesApplied) -> None:
+        """What the engine's sink applied through the lane: observed (lag, feed); a
+        failure handled like a failed group."""
+        sink = self._sinks.get(sig.source)
+        if sink is None:
+            return
+        events, stored, removed, cleared, lag_counts, lag_sum = sink.take_report()
+        self.metrics.observe_lane_lags(sig.source, lag_counts, lag_sum)
+        self.feed.publish("batch", {
+            "engine": sig.source, "seq": sig.last_seq, "batches": sig.count,
+            "replayed": False, "stored": stored, "removed": removed, "cleared": cleared,
+        })
+        if sig.failed:
+            exc = sink.take_error()
+            self._failed(sig.source, sig.last_seq, sig.last_seq, exc)
+
+    def _failed(self, engine: str, first: int, last: int, exc: BaseException | None) -> None:
+        """Applying batches ``first``..``last`` failed part way: the engine's state is
+        unknown. Count it, rebuild the engine event by event up to ``last``."""
+        kind = type(exc).__name__ if exc is not None else "unknown"
+        self._count_apply_error(engine, kind)
+        log.warning("engine %s: applying batches seq %d-%d failed (%s: %s); rebuilding the "
+                    "engine event by event", engine, first, last, kind, exc)
+        self._careful[engine] = [last, False]
+        self._resync(engine, f"apply failed at seq {first}-{last}")
+
     def _on_batches(self, sig: BatchesReceived, model: str | None) -> None:
         """Consecutive batches of one engine: applied, then observed, as one."""
         with self.lock:
             applied = self._apply_group(sig, model)
             if applied is not None:
-                self.anchors[sig.source] = (sig.seqs[-1], sig.batches[-1].ts)
+                self._sink(sig.source).set_anchor(sig.seqs[-1], sig.batches[-1].ts)
         if applied is None:
             return
         self.metrics.observe_batches(sig.source, sig.batches)
@@ -153,12 +209,7 @@ class IndexWriter:
         try:
             stats = self.index.apply_batches(sig.source, batches, model=model)
         except Exception as exc:
-            self._count_apply_error(sig.source, type(exc).__name__)
-            log.warning("engine %s: applying batches seq %d-%d failed (%s: %s); rebuilding the "
-                        "engine event by event", sig.source, seqs[0], seqs[-1],
-                        type(exc).__name__, exc)
-            self._careful[sig.source] = [seqs[-1], False]
-            self._resync(sig.source, f"apply failed at seq {seqs[0]}-{seqs[-1]}")
+            self._failed(sig.source, seqs[0], seqs[-1], exc)
             return None
         if rebuilt is not None:
             stats = add_stats(stats, rebuilt)

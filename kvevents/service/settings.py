@@ -195,6 +195,9 @@ class AggregatorSettings(BaseSettings):
     max_pending_bytes: int = Field(32 * 1024 * 1024, ge=0,
                                    description="bytes of live messages held back during a replay")
     recv_hwm: int = Field(1000, ge=1, description="ZeroMQ receive queue per engine, in messages")
+    ingest_lane: bool = Field(True, description="apply each engine's in-order batches of the "
+                              "common wire shape in the compiled lane, without the GIL (false: "
+                              "every batch through the Python path, the reference)")
     max_engines: int | None = Field(
         None, ge=0, validation_alias=AliasChoices("max_engines", *_OLD_KEYS["max_engines"]),
         description="engines allowed (none: the socket and file budget decides)")
@@ -202,7 +205,7 @@ class AggregatorSettings(BaseSettings):
                                                                 "/healthz reports ingest stuck")
     # The OpenAI gateway (engines with an http URL): its bearer token, how long a request
     # may go without an answer, requests in flight before 503, and how often each engine's
-    # /metrics is read for its load.
+    # /metrics is read for its load (idle, and while the gateway is routing).
     api_key: str | None = Field(None, description="bearer token required on the OpenAI endpoints "
                                                   "(/v1/chat/completions, /v1/completions, /v1/models)")
     request_timeout_s: float = Field(600.0, gt=0, description="seconds a proxied request may wait "
@@ -211,6 +214,11 @@ class AggregatorSettings(BaseSettings):
                                                       "gateway answers 503")
     engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
                                                                  "engine's /metrics (its load)")
+    engine_poll_busy_interval_s: float = Field(
+        1.0, gt=0, description="seconds between reads of each engine's /metrics while the "
+                               "gateway has requests in flight (or had within "
+                               "engine_poll_interval_s); not shorter than engine_poll_interval_s: "
+                               "one cadence")
 
     # Discovery (kvevents.discovery): engines found by DNS names and/or a Kubernetes pod
     # selector, the ports and model of what is found (pod annotations override), how often

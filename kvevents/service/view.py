@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from kvevents.ingest.gilmeter import HoldMeter
     from kvevents.index.results import IndexCounters
     from kvevents.ingest.budget import Budget
     from kvevents.engines import EngineSpec
@@ -47,6 +48,8 @@ class ServiceView(Protocol):
     def budget(self) -> Budget: ...
 
     def ingest_health(self) -> dict: ...
+
+    def ingest_gil_holds(self) -> HoldMeter: ...
 
     def ingest_heartbeat_wall(self) -> float: ...
 

@@ -52,6 +52,7 @@ kvevents_ingest_heartbeat_timestamp_seconds wall time of the ingest loop's last 
 kvevents_ingest_restarts_total              ingest thread restarts by the watchdog
 kvevents_ingest_loop_errors_total           ingest loop iterations that raised (retried)
 kvevents_ingest_max_engines                 engines the socket/file budget allows
+kvevents_ingest_gil_hold_seconds            histogram: ingest thread's Python stretches between GIL releases
 kvevents_recovery_given_up_total            engines readiness stopped waiting for (recovery_timeout_s)
 kvevents_socket_errors_total                failed socket operations, retried {engine, ...}
 kvevents_seq_jumps_total                    seqs beyond the believable window {engine, ...}
@@ -113,6 +114,10 @@ class AggregatorMetrics:
     def observe_batches(self, engine: str, batches: list[KVEventBatch]) -> None:
         """The lag of each of ``batches`` (applied just now), in one call."""
         self.event_lag.observe(engine, self._model_of, time.time(), batches)
+
+    def observe_lane_lags(self, engine: str, counts: list[int], total: float) -> None:
+        """Lags the lane's sink observed (per bucket of ``LAG_BUCKETS``, and their sum)."""
+        self.event_lag.merge(engine, self._model_of, counts, total)
 
     def observe_lookup(self, api: str, seconds: float, result: LookupResult,
                        model: str | None = None) -> None:

@@ -12,8 +12,12 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kvevents.ingest.gilmeter import HOLD_BUCKETS
 
 from kvevents.service.view import ServiceView
 
@@ -197,7 +201,8 @@ def refused_events(counters: Any, model: Mapping[str, str]) -> list[Metric]:
 
 def ingest_health(view: ServiceView) -> list[Metric]:
     """The ingest loop's health and budget, unlabelled: heartbeat, watchdog restarts,
-    loop errors, and the engines the socket/file budget allows."""
+    loop errors, the engines the socket/file budget allows, and how long the loop holds
+    the GIL at a time."""
     health = view.ingest_health()
     beat = GaugeMetricFamily("kvevents_ingest_heartbeat_timestamp_seconds",
                              "Wall time of the ingest loop's last iteration")
@@ -215,7 +220,20 @@ def ingest_health(view: ServiceView) -> list[Metric]:
                                    "Engines whose first replay was not done within "
                                    "recovery_timeout_s (readiness stopped waiting for them)")
     given_up.add_metric([], health.get("recovery_given_up", 0))
-    return [beat, restarts, loop_errors, max_engines, given_up]
+    out = [beat, restarts, loop_errors, max_engines, given_up]
+    meter = view.ingest_gil_holds()
+    if meter is not None:
+        holds = HistogramMetricFamily(
+            "kvevents_ingest_gil_hold_seconds",
+            "Stretches of Python the ingest thread ran between two GIL releases (an upper "
+            "bound of how long it kept the event loop from the GIL)")
+        cumulative, buckets = 0, []
+        for bound, n in zip((*HOLD_BUCKETS, float("inf")), list(meter.counts)):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        holds.add_metric([], buckets, meter.total)
+        out.append(holds)
+    return out
 
 
 def index_totals(counters: Any) -> list[Metric]:

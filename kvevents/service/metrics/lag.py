@@ -53,6 +53,16 @@ class LagHistogram(Collector):
             total += lag
         entry[2] += total
 
+    def merge(self, engine: str, model_of: Callable[[str], str], counts: list[int],
+              total: float) -> None:
+        """Observations made elsewhere (a sink's, per bucket of :data:`LAG_BUCKETS`, the
+        last +Inf), added in."""
+        entry = self._entry(engine, model_of)
+        mine = entry[1]
+        for i, n in enumerate(counts):
+            mine[i] += n
+        entry[2] += total
+
     def forget(self, engine: str) -> None:
         self._series.pop(engine, None)
 
