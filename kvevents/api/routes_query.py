@@ -30,13 +30,17 @@ def json_response(payload: object, status: int = 200) -> Response:
 def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = frozenset()) -> dict:
     """``down``: engines gone for ``down_after_s``; still listed, marked ``"down": true``.
     The answer also carries 0.1.0's ``pods`` (entries keyed ``pod``), deprecated."""
-    engines = [{"engine": p.engine, "matched_tokens": p.tokens, "tiers": p.tiers} for p in result.engines]
-    if down:
-        for entry in engines:
-            if entry["engine"] in down:
-                entry["down"] = True
-    # "pods" with "pod" entries: 0.1.0's names, for routers written against them (until 0.3.0).
-    pods = [{"pod": e["engine"], **{k: v for k, v in e.items() if k != "engine"}} for e in engines]
+    # "pods" with "pod" entries: 0.1.0's names, for routers written against them (until
+    # 0.3.0). Both lists in one pass, spelled out: this runs for every lookup.
+    engines, pods = [], []
+    for p in result.engines:
+        name, tokens, tiers = p.engine, p.tokens, p.tiers
+        if down and name in down:
+            engines.append({"engine": name, "matched_tokens": tokens, "tiers": tiers, "down": True})
+            pods.append({"pod": name, "matched_tokens": tokens, "tiers": tiers, "down": True})
+        else:
+            engines.append({"engine": name, "matched_tokens": tokens, "tiers": tiers})
+            pods.append({"pod": name, "matched_tokens": tokens, "tiers": tiers})
     return {"prompt_tokens": result.prompt_tokens, "block_size": result.block_size, "engines": engines,
             "pods": pods}
 
