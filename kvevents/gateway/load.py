@@ -7,8 +7,9 @@ counted from the moment a request is sent until its answer ends.
 
 From the engine (polled by one task on the event loop): ``vllm:num_requests_waiting``,
 ``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc``, summed over the engine's
-label sets, asked for by name (:data:`FILTERED`) where the engine serves such a page. They include other clients' and other gateway replicas' requests, which is
-how several replicas balance without talking to each other: at each poll the engine's
+label sets, asked for by name (:data:`FILTERED`) where the engine serves such a page.
+They include other clients' and other gateway replicas' requests, which is how several
+replicas balance without talking to each other: at each poll the engine's
 total minus what this gateway had in flight then (less those sent in the last
 :data:`SETTLE_S`, which the engine's gauges do not show yet) is the rest of the world's
 load, carried until the next poll. How old that figure is decides how well replicas balance:
@@ -180,10 +181,13 @@ class EngineLoads:
                 if resp.status_code == 200:
                     gauges = parse_engine_metrics(resp.content)
                 if gauges is None or ("waiting" not in gauges and "running" not in gauges):
-                    gauges = None  # no such page, or it ignores the filter's names
-                    t.filtered = False
-                    log.info("engine %s: %s%s is not a filtered metrics page (HTTP %s); "
-                             "reading the whole page", engine, url, FILTERED, resp.status_code)
+                    gauges = None
+                    if resp.status_code < 500:  # no such page, or it ignores the names
+                        # (a 5xx is the engine's trouble of the moment: asked again next time)
+                        t.filtered = False
+                        log.info("engine %s: %s%s is not a filtered metrics page (HTTP %s); "
+                                 "reading the whole page", engine, url, FILTERED,
+                                 resp.status_code)
                 else:
                     t.filtered = True
             if gauges is None:
