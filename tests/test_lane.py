@@ -313,8 +313,9 @@ def test_ingest_stretches_between_gil_releases(lane):
         st = agg.engine_statuses()[0]
         assert st["lost_batches"] == 0
         if lane:
-            # All but the first drain's (the first batch's namespace was new to the sink).
-            assert st["lane_batches"] >= n - 1000
+            # All but the first (its namespace was new to the sink; the sink learns it
+            # from the Python path before the next drain).
+            assert st["lane_batches"] == n - 1
             # On a busy 2-core machine a stretch can be stretched by preemption: allow a few.
             assert over_1ms <= max(3, sum(counts) // 100), counts
         else:

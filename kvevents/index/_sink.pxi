@@ -142,7 +142,7 @@ cdef class WireSink:
     cdef object model
     cdef WireCache cache
     cdef bint ready                     # the engine keeps no original hashes (see refresh)
-    cdef bint stale                     # declined a batch since the last refresh
+    cdef object seen                    # what the cache was built from (see refresh)
     cdef readonly object capsule
     cdef bint has_anchor
     cdef uint64_t anchor_seq
@@ -165,7 +165,6 @@ cdef class WireSink:
         for i, b in enumerate(lag_bounds):
             self.bounds[i] = b
         _cache_reset(&self.cache)
-        self.stale = True
         self.c.apply = _sink_apply
         self.c.ctx = <void*>self
         # The capsule points into this object: whoever holds the capsule keeps the sink.
@@ -175,14 +174,18 @@ cdef class WireSink:
     def refresh(self) -> None:
         """Learn what the Python path resolved since (tiers, this engine's namespaces of
         its model) and whether the engine keeps original hashes (the lane then declines:
-        removals would have to forget them). Cheap when nothing was declined."""
+        removals would have to forget them). Cheap when nothing new was resolved."""
         if self.pid < 0:
             return
         core = self.core
         self.ready = len(<dict>core.engine_orig[self.pid]) == 0
-        if not self.stale:
+        # Tiers and namespaces are only ever added (until the engine or the core goes,
+        # which invalidates the sink): their counts tell whether there is more to learn.
+        used = <set>core.engine_ns[self.pid]
+        seen = (len(core.tier_name), len(core.tier_id), len(used))
+        if seen == self.seen:
             return
-        self.stale = False
+        self.seen = seen
         _cache_reset(&self.cache)
         self.cache.nil_tier = core.tier_id.get(None, -1)
         cdef bytes raw
@@ -192,7 +195,6 @@ cdef class WireSink:
                 if len(raw) <= 16:
                     _cache_put_tier(&self.cache, <const uint8_t*>PyBytes_AS_STRING(raw), 0,
                                     len(raw), t)
-        used = <set>core.engine_ns[self.pid]
         for nid in used:
             model, bs, lora = core.ns_info[nid]
             if model == self.model and lora is None and bs > 0 and self.cache.n_ns < 4:
@@ -207,7 +209,6 @@ cdef class WireSink:
         if self.pid < 0 or not self.ready:
             return 1
         if _w_scan(p, n, ts, &self.cache) < 0:
-            self.stale = True
             return 1
         self.lock.take()
         if self.pid < 0:  # invalidated while we waited

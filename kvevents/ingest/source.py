@@ -133,6 +133,7 @@ class SourceState:
     open_backoff: float = 0.0
     # When what the lane applied was last reported to the consumer (BatchesApplied).
     reported_at: float = 0.0
+    lane_misses: int = 0  # drains in a row whose first message the lane did not take
 
     def __post_init__(self) -> None:
         self.stats: _LiveStats = _LiveStats(self.cursor)

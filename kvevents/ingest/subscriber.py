@@ -45,8 +45,8 @@ without the GIL (``Cursor.lane_drain`` in :mod:`kvevents.ingest._zmqrecv`), hand
 next in-order batch straight to the consumer's compiled sink, which applies it; the
 first message it does not take (anything but that common case) ends the lane's drain
 and goes through the Python path below, which shares the same per-source cursor (the
-next drain tries the lane again; a drain whose first message is not the lane's goes
-the Python way whole). The
+next drain tries the lane again; after two drains in a row whose first message was not
+the lane's, the rest of such a drain goes the Python way whole). The
 consumer learns what the sink applied from :class:`BatchesApplied`, at most every
 ``_LANE_REPORT_S`` per source and before any other signal of that source.
 
@@ -345,9 +345,9 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
             self._busy = src.config.name
             msgs: list[list[bytes]] = []
             # The lane only where it can take the next message: not while a replay holds
-            # live messages back, nor before first contact.
+            # live messages back.
             sink = (self._lane(src.config.name) if self._lane is not None and role == "live"
-                    and src.replay_deadline is None and src.expected is not None else None)
+                    and src.replay_deadline is None else None)
             try:
                 if sink is not None:
                     taken = self._lane_drain(src, sock, sink, msgs)
@@ -401,11 +401,17 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
                 src.stats.last_received = time.time()  # once per drain, not per message
             if cursor.report_failed:
                 self._report_lane(src)
-        if msgs and cursor.lane_batches == before:
-            # Not even the first message was the lane's (a stream the sink cannot take,
-            # say): the rest of this drain goes the Python way at once, not one lane
+        if cursor.lane_batches != before:
+            src.lane_misses = 0
+        elif msgs:
+            # Not even the first message was the lane's. Once, that is usually a sink
+            # that has yet to learn a new tier or block size from the Python path (it
+            # does before the next drain). Twice in a row, it is a stream the sink cannot
+            # take: the rest of the drain goes the Python way at once, not one lane
             # attempt per message.
-            taken += self._drain(sock, _DRAIN_MAX - taken, _DRAIN_MAX_BYTES, msgs)
+            src.lane_misses += 1
+            if src.lane_misses > 1:
+                taken += self._drain(sock, _DRAIN_MAX - taken, _DRAIN_MAX_BYTES, msgs)
         return taken
 
     def _report_lane(self, src: SourceState) -> None:
