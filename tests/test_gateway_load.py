@@ -82,7 +82,7 @@ def test_polls_fast_while_routing_and_slowly_when_idle():
         t0 = time.monotonic()
         await asyncio.sleep(1.0)
         busy = engine.reads_between(t0, time.monotonic())
-        assert busy >= 8, busy
+        assert busy >= 5, busy  # ~20 at 0.05 s; the idle cadence (1 s) gives at most 2
         # Once it has ended and a full idle interval has passed: slow again.
         loads.finished("e0", 0)
         await asyncio.sleep(1.3)
