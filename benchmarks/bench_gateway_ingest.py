@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx  # noqa: E402
 
 import kvevents  # noqa: E402
-from bench_http import _publisher  # noqa: E402
+from bench_http import _Ours, _publisher  # noqa: E402
 from common import gil_hold_window, gil_holds, machine, median, percentile, print_table, write_json  # noqa: E402
 from kvevents.demo.fleet import free_port  # noqa: E402
 from kvevents.demo.tiny_model import make_tiny_tokenizer  # noqa: E402
@@ -82,11 +82,6 @@ def _serve_upstream(port: int) -> None:
     import uvicorn
     uvicorn.run(upstream, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                 loop="uvloop", http="httptools")
-
-
-def _applied(client: httpx.Client) -> int:
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in client.get("/metrics").text.splitlines()
-               if line.startswith("kvevents_block_events_applied_total{"))
 
 
 def run(args, trace: str, tok_dir: str, rate: float) -> dict:
@@ -141,13 +136,13 @@ def run(args, trace: str, tok_dir: str, rate: float) -> dict:
 
             for _ in range(50):  # warm-up of both connections and the gateway's pool
                 once(direct), once(via)
-            holds0, applied0, sent0, w0 = gil_holds(client.get("/metrics").text), _applied(client), sent.value, time.perf_counter()
+            holds0, applied0, sent0, w0 = gil_holds(client.get("/metrics").text), _Ours().applied(client), sent.value, time.perf_counter()
             routed, plain = [], []
             for _ in range(args.requests):
                 plain.append(once(direct))
                 routed.append(once(via))
             window = time.perf_counter() - w0
-            holds1, applied1, sent1 = gil_holds(client.get("/metrics").text), _applied(client), sent.value
+            holds1, applied1, sent1 = gil_holds(client.get("/metrics").text), _Ours().applied(client), sent.value
             via.close()
             direct.close()
     finally:

@@ -1025,7 +1025,7 @@ cdef class Core:
                          int64_t* out) except -1 nogil:
         """One common-shape batch that ``wc`` covers (``_w_scan`` checked), applied for
         engine ``pid`` without the GIL, its counters added to the engine's; ``out``
-        gets its events, stored blocks, removed blocks and clears. The caller holds the
+        gets its stored blocks, removed blocks and clears added. The caller holds the
         facade's lock and knows the engine keeps no original hashes."""
         cdef int64_t stored = 0, removed = 0, refused = 0
         self._reset_batch_counters()
@@ -1033,10 +1033,9 @@ cdef class Core:
             self._wire_events(pid, p, end, NULL, wc, False)
         finally:
             self._accumulate_c(pid, &stored, &removed, &refused)
-            out[0] += self.c_events
-            out[1] += stored
-            out[2] += removed
-            out[3] += self.c_cleared
+            out[0] += stored
+            out[1] += removed
+            out[2] += self.c_cleared
         return 0
 
     cdef int _wire_tier(self, const uint8_t* p, Py_ssize_t mpos, Py_ssize_t mlen) except -2:

@@ -10,7 +10,7 @@
 # resolves them; ``refresh`` then learns them). It also keeps the engine's anchor (seq
 # and timestamp of the last batch applied, by either path), written under the facade's
 # lock so a snapshot taken under it pairs the index with its anchors, and what the lane
-# applied since the last report (events, blocks, the apply-lag histogram).
+# applied since the last report (blocks, clears, the apply-lag histogram).
 #
 # Lifecycle: made by PrefixIndex.sink(engine, model); valid until the engine is dropped
 # or the index replaced (``invalidate``, under the lock), after which it declines every
@@ -147,7 +147,7 @@ cdef class WireSink:
     cdef bint has_anchor
     cdef uint64_t anchor_seq
     cdef double anchor_ts
-    cdef int64_t rep[4]                 # since take_report: events, stored, removed, clears
+    cdef int64_t rep[3]                 # since take_report: stored, removed blocks, clears
     cdef int nb                         # lag bucket bounds, then +Inf
     cdef double bounds[MAX_LAG_BUCKETS]
     cdef int64_t lag[MAX_LAG_BUCKETS + 1]
@@ -249,9 +249,9 @@ cdef class WireSink:
         return err
 
     def take_report(self):
-        """What the lane applied since the last call, and forget it: (events, stored
-        blocks, removed blocks, clears, lag counts per bucket (the last +Inf), lag sum)."""
-        out = (self.rep[0], self.rep[1], self.rep[2], self.rep[3],
+        """What the lane applied since the last call, and forget it: (stored blocks,
+        removed blocks, clears, lag counts per bucket (the last +Inf), lag sum)."""
+        out = (self.rep[0], self.rep[1], self.rep[2],
                [self.lag[i] for i in range(self.nb + 1)], self.lag_sum)
         memset(self.rep, 0, sizeof(self.rep))
         memset(self.lag, 0, sizeof(self.lag))

@@ -123,7 +123,7 @@ class PrefixIndex:
         self._reset()
 
     def _reset(self) -> None:
-        for sink in getattr(self, "_sinks", {}).values():
+        for sink in self._sinks.values():
             sink.invalidate()  # bound to the core being replaced
         self._sinks = {}
         self._core = Core(*self._limits)

@@ -27,7 +27,7 @@ HOLD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 
 class HoldMeter:
     """Stretches of the loop thread holding the GIL: a histogram (per bucket, the last
-    one +Inf), their sum and the longest since :meth:`reset_max`."""
+    one +Inf), their sum and the longest one."""
 
     __slots__ = ("counts", "total", "longest", "_since")
 
@@ -52,8 +52,3 @@ class HoldMeter:
         self.total += held
         if held > self.longest:
             self.longest = held
-
-    def reset_max(self) -> float:
-        """The longest stretch since the last call, and start over."""
-        longest, self.longest = self.longest, 0.0
-        return longest

@@ -153,7 +153,7 @@ class IndexWriter:
         sink = self._sinks.get(sig.source)
         if sink is None:
             return
-        events, stored, removed, cleared, lag_counts, lag_sum = sink.take_report()
+        stored, removed, cleared, lag_counts, lag_sum = sink.take_report()
         self.metrics.observe_lane_lags(sig.source, lag_counts, lag_sum)
         self.feed.publish("batch", {
             "engine": sig.source, "seq": sig.last_seq, "batches": sig.count,
