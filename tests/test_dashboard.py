@@ -195,7 +195,8 @@ class SimOpenAIEngine:
     """``python -m kvevents.sim.process`` with its OpenAI front (``--http-port``) serving
     ``model``; ``spec(name)`` follows it with the gateway on. Stopped on exit."""
 
-    def __init__(self, model: str, log_path: Path, gpu_blocks: int = 256) -> None:
+    def __init__(self, model: str, log_path: Path, gpu_blocks: int = 256,
+                 token_interval: float = 0.0) -> None:
         self.events, self.replay, self.http = free_port(), free_port(), free_port()
         self.model = model
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in close())
@@ -204,7 +205,8 @@ class SimOpenAIEngine:
              "--bind", "127.0.0.1", "--events-port", str(self.events),
              "--replay-port", str(self.replay), "--rpc-port", str(free_port()),
              "--metrics-port", "0", "--gpu-blocks", str(gpu_blocks), "--cpu-blocks", "0",
-             "--offloaded-block-size", "16", "--http-port", str(self.http), "--model", model],
+             "--offloaded-block-size", "16", "--http-port", str(self.http), "--model", model,
+             "--http-token-interval", str(token_interval)],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 

@@ -190,8 +190,10 @@ def test_live_page_shows_the_gateway(tmp_path):
     and a third engine whose server is down; real requests through the gateway. The
     page shows each engine's gateway state and the routing decisions from the feed."""
     binary = require_binary("chromium")
-    # 8,192 blocks: room for the long answer held open below (the context is the cache).
-    sims = [SimOpenAIEngine("sim", tmp_path / f"engine-{i}.log", gpu_blocks=8192) for i in range(2)]
+    # Streams paced at 10 ms a chunk: the answer held open below lasts 30 s on any machine
+    # (the simulated engine computes a whole answer before its first chunk, so a long one
+    # unpaced took a slow machine past the client's timeout).
+    sims = [SimOpenAIEngine("sim", tmp_path / f"engine-{i}.log", token_interval=0.01) for i in range(2)]
     dead = EngineSpec("engine-2", f"tcp://127.0.0.1:{free_port()}", model="sim",
                       http=f"http://127.0.0.1:{free_port()}")
     settings = AggregatorSettings(engines=(sims[0].spec("engine-0"), sims[1].spec("engine-1"), dead))
@@ -262,13 +264,12 @@ def _drive_gateway(url: str, browser: Browser) -> tuple[dict, str, list[str]]:
                 "token_ids": _prompt(0, 80), "model": "sim"}).json()["engines"], 10)
     assert set(sent) <= {"engine-0", "engine-1"} and sent[3:] == sent[:3]
 
-    # A long streamed answer held open: the page shows it in flight. Long enough to still
-    # be generating seconds later (a simulated engine makes ~25k tokens/s here, and the
-    # sockets on the way hold megabytes of an answer nobody reads).
+    # A long streamed answer held open (3,000 chunks 10 ms apart): the page shows it in flight.
     with httpx.Client(timeout=30) as c, c.stream("POST", f"{url}/v1/completions", json={
-            "model": "sim", "prompt": _prompt(9, 64), "max_tokens": 120_000, "stream": True}) as held:
+            "model": "sim", "prompt": _prompt(9, 64), "max_tokens": 3000, "stream": True}) as held:
         assert held.status_code == 200
-        next(held.iter_raw())
+        raw = held.iter_raw()  # kept: a dropped iterator closes the stream (the client leaves)
+        next(raw)
         busy = held.headers["x-kvevents-engine"]
 
         def in_flight() -> bool:

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -359,3 +360,29 @@ def test_http_is_off_by_default():
 
     args = parse_args(["--name", "e"])
     assert (args.http_port, args.http_addr, args.model, args.tokenizer) == (0, "127.0.0.1", None, None)
+
+
+def test_token_interval_paces_streams_only():
+    """``--http-token-interval``: a streamed answer's chunks come that far apart (a stream
+    held open for a known time); a plain answer is not delayed."""
+    from kvevents.sim.process import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--name", "e", "--http-port", "1", "--http-token-interval", "-1"])
+    eng = SimEngine("--http-token-interval", "0.1")
+    try:
+        body = {"model": "sim", "prompt": [7] * 16, "max_tokens": 6}
+        t0 = time.monotonic()
+        assert eng.post("/v1/completions", body).status_code == 200
+        plain = time.monotonic() - t0
+        arrivals = []
+        with httpx.Client(timeout=20) as c, c.stream("POST", eng.url + "/v1/completions",
+                                                      json={**body, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+        assert len(arrivals) == 6
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        assert min(gaps) >= 0.08 and plain < 0.4, (gaps, plain)
+    finally:
+        eng.close()

@@ -13,7 +13,9 @@ the prompt ids, so the same request gets the same content from any engine, strea
 Streams are vLLM's: one chunk per token (chat: a role chunk first; ``finish_reason`` on
 the last token's chunk), a usage chunk (``choices: []``) only with
 ``stream_options.include_usage``, then ``data: [DONE]``. The engine does not stream:
-every chunk is sent once the engine has finished the request. Other OpenAI fields
+every chunk is sent once the engine has finished the request, as fast as the client reads
+or ``token_interval`` seconds apart (``--http-token-interval``: a stream held open for a
+known time, whatever the machine's speed). Other OpenAI fields
 (temperature, stop...) are accepted and ignored; ``n`` > 1 and batched prompts are a 400.
 
 Lifecycle: :class:`OpenAIFront` binds its TCP socket at construction (a taken port fails
@@ -122,8 +124,10 @@ class OpenAIFront:
     """See the module docstring."""
 
     def __init__(self, host: str, port: int, model: str = DEFAULT_MODEL,
-                 tokenizer: TextTokenizer | None = None, tokenizer_dir: str | None = None) -> None:
+                 tokenizer: TextTokenizer | None = None, tokenizer_dir: str | None = None,
+                 token_interval: float = 0.0) -> None:
         self.host, self.port, self.model, self.tokenizer = host, port, model, tokenizer
+        self.token_interval = token_interval
         self.vocab, self.words = _vocabulary(tokenizer_dir)
         try:
             self.sock = socket.create_server(
@@ -383,6 +387,8 @@ class OpenAIFront:
                 choice = {"index": 0, "delta": {"content": piece}} if chat else \
                          {"index": 0, "text": piece}
                 choice.update(logprobs=None, finish_reason=last, stop_reason=None)
+                if i and self.token_interval:
+                    await asyncio.sleep(self.token_interval)
                 yield chunk([choice])
             if usage is not None:
                 yield chunk([], usage=usage)

@@ -59,7 +59,8 @@ class EngineServer(EngineRpc):
         self.name = args.name
         # Bound first: a taken port fails the process before any engine thread exists.
         self.front = OpenAIFront(args.http_addr, args.http_port, args.model or DEFAULT_MODEL,
-                                 tokenizer, args.tokenizer) if args.http_port else None
+                                 tokenizer, args.tokenizer, args.http_token_interval) \
+            if args.http_port else None
         self.publisher = CountingPublisher(ZmqEventPublisher(PublisherConfig(
             endpoint=f"tcp://{args.bind}:{args.events_port}",
             replay_endpoint=f"tcp://{args.bind}:{args.replay_port}",
@@ -165,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--http-port", type=int, default=0,
                    help="OpenAI-compatible HTTP front's port; 0 (default) disables it")
     p.add_argument("--http-addr", default="127.0.0.1", help="its listen address")
+    p.add_argument("--http-token-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="pause between a streamed answer's chunks, like an engine's decode "
+                        "rate (default 0: as fast as the client reads)")
     p.add_argument("--model", default=None,
                    help=f"served model name (default {DEFAULT_MODEL!r}); also the metrics' "
                         "model_name label (default empty)")
@@ -173,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.http_port <= 65535:
         p.error("--http-port must be 0-65535")
+    if not 0 <= args.http_token_interval <= 10:
+        p.error("--http-token-interval must be 0-10 seconds")
     if args.tokenizer is not None and not args.http_port:
         p.error("--tokenizer needs --http-port")
     return args
