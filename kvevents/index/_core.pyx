@@ -33,7 +33,7 @@ type or range, a namespace or tier beyond the caps) is skipped whole, before any
 change, and counted by reason; the rest of its batch applies. Memory errors propagate.
 """
 
-from libc.stdint cimport uint64_t, int64_t, uint32_t, int32_t, uint16_t, uint8_t, int8_t
+from libc.stdint cimport uint64_t, int64_t, uint32_t, int32_t, uint16_t, uint8_t, int8_t, int16_t
 from libc.stdlib cimport malloc, calloc, realloc, free, qsort
 from libc.string cimport memset, memcpy, memcmp
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLongMask
@@ -962,14 +962,16 @@ cdef class Core:
         when the bytes are not of the common shape after all (nothing of the failing
         event applied), else 0."""
         cdef double ts
-        cdef int64_t n_items, n_events, i, j
+        cdef int64_t n_items, n_events, i
         cdef WEvent ev
-        cdef Py_ssize_t q, pos
-        cdef int tier, ns
-        cdef bint neg = False
+        cdef Py_ssize_t pos
+        cdef int tier, ns, fl = 0
         pos = _w_batch(p, end, &ts, &n_items, &n_events)
         for i in range(n_events):
-            pos = _w_event(p, pos, end, &ev) if pos >= 0 else -1
+            # Hashes and tokens are read by the walk that checks them, into the scratch
+            # buffers when they fit (else read below, once the buffers are grown).
+            pos = _w_event(p, pos, end, &ev, self.sh, self.sh_cap, self.stok, self.stok_cap) \
+                if pos >= 0 else -1
             if pos < 0:
                 return 1
             self.c_events += 1
@@ -996,18 +998,16 @@ cdef class Core:
                     medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
                     self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
                 continue
-            self._scratch(ev.n, ev.n * ev.bs if ev.kind == EV_STORED else 0)
-            q = ev.hpos
-            for j in range(ev.n):
-                q = _w_int(p, q, end, self.sh + j, &neg)
-                if neg:
-                    self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
+            if not ev.h_read or (ev.kind == EV_STORED and not ev.t_read):
+                self._scratch(ev.n, ev.n_tok if ev.kind == EV_STORED else 0)
+                _w_ints(p, ev.hpos, end, ev.n, self.sh, &fl)
+                if ev.kind == EV_STORED:
+                    _w_ints(p, ev.tpos, end, ev.n_tok, <uint64_t*>self.stok, &fl)
+            if ev.h_neg:
+                self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
             if ev.kind == EV_REMOVED:
                 self._unref(pid, tier, ev.n, orig)
                 continue
-            q = ev.tpos
-            for j in range(ev.n * ev.bs):
-                q = _w_i64(p, q, end, self.stok + j)
             if ev.has_parent and ev.parent_neg:
                 self.pflags[pid] |= F_SIGNED
             ns = _cache_ns(wc, ev.bs)

@@ -12,7 +12,9 @@ of the common shape, and decodes everything else with ``BatchDecoder``. What mus
 
 from __future__ import annotations
 
+import itertools
 import random
+import struct
 
 import msgspec
 import pytest
@@ -339,3 +341,44 @@ def test_a_large_group_releases_the_lock_between_parts():
     assert stats.stored_blocks == sum(s.stored_blocks for s in total) == 4000
     assert stats.events == 40
     same_index(grouped, single, [prompt(i, 100) for i in range(40)])
+
+
+def _int(v: int, fmt: int) -> bytes:
+    """``v`` in msgpack format byte ``fmt`` (0 = fixint), whichever width the byte names."""
+    if fmt == 0:
+        return struct.pack("b" if v < 0 else "B", v)
+    width = {0xCC: "B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: "b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+    return bytes([fmt]) + struct.pack(width[fmt], v)
+
+
+def _ints(values: list[tuple[int, int]]) -> bytes:
+    n = len(values)
+    head = bytes([0x90 | n]) if n < 16 else b"\xdc" + struct.pack(">H", n)
+    return head + b"".join(_int(v, f) for v, f in values)
+
+
+def _hand_event(hashes: list[tuple[int, int]], tokens: list[tuple[int, int]]) -> bytes:
+    return (b"\x85" + PACK.encode("type") + PACK.encode("BlockStored")
+            + PACK.encode("block_hashes") + _ints(hashes) + PACK.encode("parent_block_hash") + b"\xc0"
+            + PACK.encode("block_size") + PACK.encode(BS) + PACK.encode("token_ids") + _ints(tokens))
+
+
+def test_every_int_encoding_reads_alike():
+    """Hashes and tokens in every msgpack int format (positive values in the signed
+    formats too, which msgspec never writes), in the middle of a payload and in its last
+    bytes (the fast reader's bounds-checked tail): the wire path reads what the general
+    one does, and a token above int64 still leaves the batch to the general path."""
+    fmts = [(5, 0), (-3, 0), (200, 0xCC), (40_000, 0xCD), (3_000_000_000, 0xCE), (2**63 + 5, 0xCF),
+            (-100, 0xD0), (100, 0xD0), (-30_000, 0xD1), (30_000, 0xD1), (-2**31, 0xD2), (7, 0xD2),
+            (-2**62, 0xD3), (2**62, 0xD3)]
+    tokens = list(itertools.islice(itertools.cycle([t for t in fmts if t[0] < 2**63]), len(fmts) * BS))
+    for at_end in (False, True):
+        events = [_hand_event(fmts, tokens)] + ([] if at_end else [PACK.encode(_ev(block_hashes=[99]))])
+        payload = b"\x92" + PACK.encode(1.0) + bytes([0x90 | len(events)]) + b"".join(events)
+        assert scan(payload) is not None
+        wire, general, n_wire = apply_both([("e0", payload)])
+        assert n_wire == 1
+        same_index(wire, general, [[v for v, _ in tokens[:BS * k]] for k in (1, 2, len(fmts))])
+        assert len(wire.engine_hashes("e0")["GPU"]) == len(fmts) + (0 if at_end else 1)
+    above = _hand_event([(1, 0)], [(1, 0)] * (BS - 1) + [(2**63, 0xCF)])
+    assert scan(b"\x92" + PACK.encode(1.0) + b"\x91" + above) is None
