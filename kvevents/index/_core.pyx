@@ -805,15 +805,17 @@ cdef class Core:
             if has_extra:
                 for i in range(n):
                     xd[i] = obj_hash(extra[i], 0) if i < len(<list>extra) and extra[i] is not None else 0
-            self._chain(pid, ns, tier, n, bs, parent is not None, ph, xd)
+            self._chain(pid, ns, tier, n, bs, parent is not None, ph, xd, self.sh, self.stok)
         finally:
             free(xd)
         return 1
 
     cdef int _chain(self, int pid, int ns, int tier, int64_t n, int64_t bs, bint has_parent,
-                    uint64_t ph, const uint64_t* xd) except -1 nogil:
-        """Store the chain of ``n`` blocks whose engine hashes are in ``self.sh`` and
-        tokens in ``self.stok`` (``bs`` each), under engine parent hash ``ph`` (when
+                    uint64_t ph, const uint64_t* xd, const uint64_t* sh,
+                    const int64_t* stok) except -1 nogil:
+        """Store the chain of ``n`` blocks whose engine hashes are in ``sh`` and tokens
+        in ``stok`` (``bs`` each; ``self.sh`` / ``self.stok`` but for a staged batch),
+        under engine parent hash ``ph`` (when
         ``has_parent``) and per-block extra-key digests ``xd`` (NULL: none): both event
         readers end here, with everything checked."""
         cdef uint64_t k, prev, row
@@ -844,23 +846,23 @@ cdef class Core:
         cdef int64_t computed = 0
         for i in range(n):
             while computed < n and computed < i + LOOKAHEAD:
-                row = row_hash(self.stok + computed * bs, bs)
+                row = row_hash(stok + computed * bs, bs)
                 if xd != NULL and xd[computed]:
                     row = mix64(row ^ (xd[computed] * _EXTRA))
                 kc = chain_key(kc, row)
                 keys[computed % LOOKAHEAD] = kc
                 kv_prefetch(&self.content.b[table_home(&self.content, kc)])
                 if pm.b != NULL:
-                    kv_prefetch(&pm.b[table_home(pm, self.sh[computed])])
+                    kv_prefetch(&pm.b[table_home(pm, sh[computed])])
                 computed += 1
             k = keys[i % LOOKAHEAD]
             s = table_get(&self.content, k)
             if s < 0:
                 s = self._alloc_slot(k, prev, d, <uint16_t>ns)
                 if self.keep_tokens and d and bs <= MAX_KEPT_BLOCK and (d - 1) * bs < HEAD_TOKENS:
-                    self._keep_tokens(s, self.stok + i * bs, bs)
+                    self._keep_tokens(s, stok + i * bs, bs)
             self._add_ref(s, pid, tier)
-            old = table_put(pm, self.sh[i], s)
+            old = table_put(pm, sh[i], s)
             if old >= 0 and old != s:
                 # The hash now names another block; the engine may still hold the old one.
                 self.pflags[pid] |= F_UNMAPPED
@@ -905,12 +907,13 @@ cdef class Core:
         cdef int tier, keep
         cdef int64_t n = self._event_hashes(pid, ev, &tier, &keep)
         if n:
-            self._unref(pid, tier, n, len(<dict>self.engine_orig[pid]) > 0)
+            self._unref(pid, tier, n, len(<dict>self.engine_orig[pid]) > 0, self.sh)
         return 0
 
-    cdef int _unref(self, int pid, int tier, int64_t n, bint orig) except -1 nogil:
+    cdef int _unref(self, int pid, int tier, int64_t n, bint orig,
+                    const uint64_t* sh) except -1 nogil:
         """Remove one reference of engine ``pid`` in ``tier`` from each of the ``n`` blocks
-        whose engine hashes are in ``self.sh`` (both event readers end here). ``orig``:
+        whose engine hashes are in ``sh`` (both event readers end here). ``orig``:
         the engine has original hashes kept (bytes, big ints) to forget with the blocks."""
         cdef Table* pm = &self.pmaps[pid]
         cdef int64_t i
@@ -918,8 +921,8 @@ cdef class Core:
         cdef int r
         for i in range(n):
             if i + LOOKAHEAD < n and pm.b != NULL:
-                kv_prefetch(&pm.b[table_home(pm, self.sh[i + LOOKAHEAD])])
-            s = table_get(pm, self.sh[i])
+                kv_prefetch(&pm.b[table_home(pm, sh[i + LOOKAHEAD])])
+            s = table_get(pm, sh[i])
             if s < 0:
                 self.c_unknown += 1
                 continue
@@ -927,10 +930,10 @@ cdef class Core:
             if r < 0:
                 self.c_unknown += 1
             elif r == 0:
-                table_del(pm, self.sh[i])
+                table_del(pm, sh[i])
                 if orig:
                     with gil:
-                        (<dict>self.engine_orig[pid]).pop(self.sh[i], None)
+                        (<dict>self.engine_orig[pid]).pop(sh[i], None)
         self.c_rm_ev[tier] += 1
         self.c_rm_bl[tier] += n
         return 0
@@ -1006,7 +1009,7 @@ cdef class Core:
             if ev.h_neg:
                 self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
             if ev.kind == EV_REMOVED:
-                self._unref(pid, tier, ev.n, orig)
+                self._unref(pid, tier, ev.n, orig, self.sh)
                 continue
             if ev.has_parent and ev.parent_neg:
                 self.pflags[pid] |= F_SIGNED
@@ -1018,19 +1021,45 @@ cdef class Core:
             if ns < 0:
                 self.c_refused[R_NS_LIMIT] += 1
                 continue
-            self._chain(pid, ns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL)
+            self._chain(pid, ns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL, self.sh, self.stok)
         return 0
 
-    cdef int _lane_apply(self, int pid, const uint8_t* p, Py_ssize_t end, WireCache* wc,
-                         int64_t* out) except -1 nogil:
-        """One common-shape batch that ``wc`` covers (``_w_scan`` checked), applied for
-        engine ``pid`` without the GIL, its counters added to the engine's; ``out``
-        gets its stored blocks, removed blocks and clears added. The caller holds the
+    cdef int _staged_apply(self, int pid, const uint8_t* p, const Stage* st, const WireCache* wc,
+                           int64_t* out) except -1 nogil:
+        """One batch the lane's :func:`_w_stage` read into ``st`` (``p``: its bytes, for
+        the media), applied for engine ``pid`` without the GIL, its counters added to the
+        engine's; ``out`` gets its stored blocks, removed blocks and clears added. The
+        same apply as :meth:`_wire_events` with nothing left to read or resolve (the
+        stage checked that ``wc`` covers every tier and namespace). The caller holds the
         facade's lock and knows the engine keeps no original hashes."""
-        cdef int64_t stored = 0, removed = 0, refused = 0
+        cdef int64_t stored = 0, removed = 0, refused = 0, i
+        cdef const WEvent* ev
+        cdef int tier, ns
         self._reset_batch_counters()
         try:
-            self._wire_events(pid, p, end, NULL, wc, False)
+            for i in range(st.n_ev):
+                ev = &st.ev[i]
+                self.c_events += 1
+                if not ev.feeds:
+                    self.c_ignored += 1
+                    continue
+                if ev.kind == EV_CLEARED:
+                    self._clear_engine(pid)
+                    self.c_cleared += 1
+                    continue
+                if ev.n == 0:
+                    continue
+                tier = _cache_tier(wc, p, ev.mpos, ev.mlen)
+                if ev.h_neg:
+                    self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
+                if ev.kind == EV_REMOVED:
+                    self._unref(pid, tier, ev.n, False, st.h + ev.hoff)
+                    continue
+                if ev.has_parent and ev.parent_neg:
+                    self.pflags[pid] |= F_SIGNED
+                ns = _cache_ns(wc, ev.bs)
+                self._chain(pid, ns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL,
+                            st.h + ev.hoff, st.t + ev.toff)
         finally:
             self._accumulate_c(pid, &stored, &removed, &refused)
             out[0] += stored

@@ -4,13 +4,15 @@
 # Python, that compiled code can also take without the GIL.
 #
 # WireSink: one engine's handle on the index for the lane (kvevents/ingest/lane_abi.pxd):
-# it applies that engine's next in-order batch straight from the received message,
-# without the GIL, when the batch is of the common wire shape and every tier and
-# namespace it needs is already known (else the batch takes the Python path, which
-# resolves them; ``refresh`` then learns them). It also keeps the engine's anchor (seq
-# and timestamp of the last batch applied, by either path), written under the facade's
-# lock so a snapshot taken under it pairs the index with its anchors, and what the lane
-# applied since the last report (blocks, clears, the apply-lag histogram).
+# it applies that engine's next in-order batch from the received message, without the
+# GIL, when the batch is of the common wire shape and every tier and namespace it needs
+# is already known (else the batch takes the Python path, which resolves them;
+# ``refresh`` then learns them). The walk that checks the batch reads it too, into the
+# sink's ``Stage``, before the lock is taken; only the apply runs under the lock. It
+# also keeps the engine's anchor (seq and timestamp of the last batch applied, by either
+# path), written under the facade's lock so a snapshot taken under it pairs the index
+# with its anchors, and what the lane applied since the last report (blocks, clears,
+# the apply-lag histogram).
 #
 # Lifecycle: made by PrefixIndex.sink(engine, model); valid until the engine is dropped
 # or the index replaced (``invalidate``, under the lock), after which it declines every
@@ -120,16 +122,23 @@ cdef int _sink_apply(void* ctx, uint64_t seq, const uint8_t* p, Py_ssize_t n,
     return (<WireSink>ctx).apply_lane(seq, p, n, ts)
 
 
-cdef int _lane_apply(Core core, int pid, const uint8_t* p, Py_ssize_t n, WireCache* wc,
+cdef int _lane_apply(Core core, int pid, const uint8_t* p, const Stage* st, WireCache* wc,
                      int64_t* out) except -1 nogil:
-    return core._lane_apply(pid, p, n, wc, out)
+    return core._staged_apply(pid, p, st, wc, out)
 
 
-# _lane_apply called through this type returns -1 with the exception set instead of
-# propagating it: a function without the GIL cannot catch, and the sink must keep the
-# exception for the ingest thread to report (Cython would print it and go on).
-ctypedef int (*lane_apply_raw_f)(Core, int, const uint8_t*, Py_ssize_t, WireCache*,
+cdef Py_ssize_t _lane_stage(const uint8_t* p, Py_ssize_t n, double* ts, const WireCache* wc,
+                            Stage* st) except -2 nogil:
+    return _w_stage(p, n, ts, wc, st)
+
+
+# Called through these types, _lane_apply returns -1 and _lane_stage -2 with the exception
+# set instead of propagating it: a function without the GIL cannot catch, and the sink
+# must keep the exception for the ingest thread to report (Cython would print it and go on).
+ctypedef int (*lane_apply_raw_f)(Core, int, const uint8_t*, const Stage*, WireCache*,
                                  int64_t*) noexcept nogil
+ctypedef Py_ssize_t (*lane_stage_raw_f)(const uint8_t*, Py_ssize_t, double*, const WireCache*,
+                                        Stage*) noexcept nogil
 
 
 cdef class WireSink:
@@ -153,6 +162,7 @@ cdef class WireSink:
     cdef int64_t lag[MAX_LAG_BUCKETS + 1]
     cdef double lag_sum
     cdef object error                   # the exception a failed batch raised
+    cdef Stage stage                    # the batch being applied, read ahead of the lock
 
     def __cinit__(self, Core core, NogilLock lock, int pid, model, lag_bounds=()):
         if len(lag_bounds) > MAX_LAG_BUCKETS:
@@ -165,11 +175,15 @@ cdef class WireSink:
         for i, b in enumerate(lag_bounds):
             self.bounds[i] = b
         _cache_reset(&self.cache)
+        memset(&self.stage, 0, sizeof(Stage))
         self.c.apply = _sink_apply
         self.c.ctx = <void*>self
         # The capsule points into this object: whoever holds the capsule keeps the sink.
         self.capsule = PyCapsule_New(<void*>&self.c, b"kvevents.ingest.LaneSink", NULL)
         self.refresh()
+
+    def __dealloc__(self):
+        _stage_free(&self.stage)
 
     def refresh(self) -> None:
         """Learn what the Python path resolved since (tiers, this engine's namespaces of
@@ -206,15 +220,23 @@ cdef class WireSink:
         cdef int status = 0
         cdef double lag
         cdef int b
+        cdef Py_ssize_t r
         if self.pid < 0 or not self.ready:
             return 1
-        if _w_scan(p, n, ts, &self.cache) < 0:
+        # Read (and checked) before taking the lock: lookups never wait on the parse.
+        r = (<lane_stage_raw_f>_lane_stage)(p, n, ts, &self.cache, &self.stage)
+        if r == -2:
+            with gil:
+                self._keep_error()
+            return 2
+        if r < 0:
             return 1
         self.lock.take()
         if self.pid < 0:  # invalidated while we waited
             self.lock.give()
             return 1
-        if (<lane_apply_raw_f>_lane_apply)(self.core, self.pid, p, n, &self.cache, self.rep) < 0:
+        if (<lane_apply_raw_f>_lane_apply)(self.core, self.pid, p, &self.stage, &self.cache,
+                                           self.rep) < 0:
             status = 2
             with gil:
                 self._keep_error()

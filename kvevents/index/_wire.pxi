@@ -40,6 +40,8 @@ ctypedef struct WEvent:
     bint h_read             # the hashes were read into the caller's buffer
     bint h_neg              # some hash is negative (SGLang's signed int64)
     bint t_read             # the token ids were read into the caller's buffer
+    int64_t hoff            # (staged) where its hashes start in the stage's array
+    int64_t toff            # (staged) where its tokens start in the stage's array
     int64_t bs
     Py_ssize_t mpos         # medium's bytes (-1: nil or absent = GPU)
     Py_ssize_t mlen
@@ -581,22 +583,77 @@ cdef Py_ssize_t _w_batch(const uint8_t* p, Py_ssize_t end, double* ts, int64_t* 
     return _w_array(p, pos, end, n_events)
 
 
-cdef Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts,
-                        const WireCache* covered) noexcept nogil:
+# A whole batch read ahead of applying it (the lane's): its events with their hashes
+# and tokens decoded, so the walk that checks the batch is also the one that reads it.
+# Owned by a WireSink; buffers grow to the largest batch seen and are freed with it.
+ctypedef struct Stage:
+    WEvent* ev
+    int64_t ev_cap
+    uint64_t* h
+    int64_t h_cap
+    int64_t* t
+    int64_t t_cap
+    int64_t n_ev
+
+
+cdef int _stage_grow(void** buf, int64_t* cap, int64_t need, size_t item) except -1 nogil:
+    cdef int64_t c
+    if need > cap[0]:
+        c = max(need, 2 * cap[0], 256)
+        buf[0] = _realloc(buf[0], c * item)
+        cap[0] = c
+    return 0
+
+
+cdef void _stage_free(Stage* st) noexcept nogil:
+    free(st.ev)
+    free(st.h)
+    free(st.t)
+    st.ev = NULL
+    st.h = NULL
+    st.t = NULL
+    st.ev_cap = st.h_cap = st.t_cap = st.n_ev = 0
+
+
+cdef Py_ssize_t _w_stage(const uint8_t* p, Py_ssize_t end, double* ts, const WireCache* covered,
+                         Stage* st) except -2 nogil:
     """Whether a whole payload is a batch of the common shape: its event count, or -1.
     With ``covered``, also -1 unless every tier and namespace its events need is in that
-    cache (so applying it needs nothing else resolved)."""
-    cdef int64_t n_items, n_events, i
+    cache (so applying it needs nothing else resolved). With ``st``, what the walk read is
+    kept there (each event, its hashes and token ids) for :meth:`Core._staged_apply`."""
+    cdef int64_t n_items, n_events, i, hused = 0, tused = 0
     cdef uint64_t u
     cdef bint neg, present
-    cdef WEvent ev
+    cdef int fl = 0
+    cdef WEvent one
+    cdef WEvent* ev = &one
     cdef Py_ssize_t pos = _w_batch(p, end, ts, &n_items, &n_events)
     if pos < 0 or n_events > end - pos:
         return -1
+    if st != NULL:
+        _stage_grow(<void**>&st.ev, &st.ev_cap, n_events, sizeof(WEvent))
     for i in range(n_events):
-        pos = _w_event(p, pos, end, &ev)
+        if st == NULL:
+            pos = _w_event(p, pos, end, ev)
+        else:
+            ev = &st.ev[i]
+            pos = _w_event(p, pos, end, ev, st.h + hused, st.h_cap - hused, st.t + tused,
+                           st.t_cap - tused)
         if pos < 0:
             return -1
+        if st != NULL:
+            if not ev.h_read or (ev.kind == EV_STORED and not ev.t_read):
+                # Past the buffers' room: grow them and read this event's arrays again.
+                _stage_grow(<void**>&st.h, &st.h_cap, hused + ev.n, sizeof(uint64_t))
+                _w_ints(p, ev.hpos, end, ev.n, st.h + hused, &fl)
+                if ev.kind == EV_STORED:
+                    _stage_grow(<void**>&st.t, &st.t_cap, tused + ev.n_tok, sizeof(int64_t))
+                    _w_ints(p, ev.tpos, end, ev.n_tok, <uint64_t*>(st.t + tused), &fl)
+            ev.hoff = hused
+            ev.toff = tused
+            hused += ev.n
+            if ev.kind == EV_STORED:
+                tused += ev.n_tok
         if covered != NULL and ev.feeds and ev.kind != EV_CLEARED and ev.n > 0:
             if _cache_tier(covered, p, ev.mpos, ev.mlen) < 0:
                 return -1
@@ -606,7 +663,14 @@ cdef Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts,
         pos = _w_nil_or_int(p, pos, end, &present, &u, &neg)  # data_parallel_rank
     if pos != end:
         return -1
+    if st != NULL:
+        st.n_ev = n_events
     return n_events
+
+
+cdef inline Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts) noexcept nogil:
+    """:func:`_w_stage` that keeps nothing and needs no tier known (it never raises)."""
+    return _w_stage(p, end, ts, NULL, NULL)
 
 
 cdef class WireBatch:
@@ -653,7 +717,7 @@ def scan(payload):
     cdef Py_ssize_t n = PyBytes_GET_SIZE(payload)
     cdef Py_ssize_t r
     with nogil:
-        r = _w_scan(p, n, &ts, NULL)
+        r = _w_scan(p, n, &ts)
     if r < 0:
         return None
     return WireBatch(ts, payload)
