@@ -628,7 +628,9 @@ cdef Py_ssize_t _w_stage(const uint8_t* p, Py_ssize_t end, double* ts, const Wir
     cdef WEvent one
     cdef WEvent* ev = &one
     cdef Py_ssize_t pos = _w_batch(p, end, ts, &n_items, &n_events)
-    if pos < 0 or n_events > end - pos:
+    # An event of the common shape takes at least 18 bytes ({"type": "BlockStored"}): a
+    # count the bytes cannot hold is refused before the stage grows for it.
+    if pos < 0 or n_events > (end - pos) // 18:
         return -1
     if st != NULL:
         _stage_grow(<void**>&st.ev, &st.ev_cap, n_events, sizeof(WEvent))

@@ -237,6 +237,7 @@ LEFT_TO_THE_GENERAL_PATH = {
     "trailing bytes": PACK.encode([1.0, [_ev()]]) + b"\x00",
     "ext in an Any field": PACK.encode([1.0, [_ev(locality=msgspec.msgpack.Ext(1, b"x"))]]),
     "map": PACK.encode({"ts": 1.0, "events": []}),
+    "more events than bytes": b"\x92" + PACK.encode(1.0) + b"\xdc\x00\x28" + PACK.encode(_ev()),
     "not msgpack": b"\xc1\xc1",
     "empty": b"",
 }
