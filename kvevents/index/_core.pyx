@@ -956,110 +956,101 @@ cdef class Core:
 
     cdef int _wire_events(self, int pid, const uint8_t* p, Py_ssize_t end, void* model,
                           WireCache* wc, bint orig) except -1 nogil:
-        """The events of a common-shape batch at ``p``, applied for engine ``pid``
-        (``model``: a borrowed reference to its model name; ``orig``: the engine keeps
-        original hashes). Takes the GIL only to resolve a tier or namespace that ``wc``
-        does not hold yet (then remembered there), to count a refusal, or to empty the
-        kept original hashes; a batch whose tiers and namespaces ``wc`` covers (the
-        lane's, checked by ``_w_scan``) with ``orig`` False never takes it. Returns 1
-        when the bytes are not of the common shape after all (nothing of the failing
-        event applied), else 0."""
+        """The events of a common-shape batch at ``p``, applied for engine ``pid`` (see
+        :meth:`_wire_event` for ``model``, ``wc`` and ``orig``). Returns 1 when the bytes
+        are not of the common shape after all (nothing of the failing event applied),
+        else 0."""
         cdef double ts
         cdef int64_t n_items, n_events, i
         cdef WEvent ev
         cdef Py_ssize_t pos
-        cdef int tier, ns, fl = 0
+        cdef int fl = 0
         pos = _w_batch(p, end, &ts, &n_items, &n_events)
         for i in range(n_events):
             # Hashes and tokens are read by the walk that checks them, into the scratch
-            # buffers when they fit (else read below, once the buffers are grown).
+            # buffers when they fit (else read here, once the buffers are grown).
             pos = _w_event(p, pos, end, &ev, self.sh, self.sh_cap, self.stok, self.stok_cap) \
                 if pos >= 0 else -1
             if pos < 0:
                 return 1
-            self.c_events += 1
-            if not ev.feeds:
-                self.c_ignored += 1
-                continue
-            if ev.kind == EV_CLEARED:
-                self._clear_engine(pid)
-                if orig:
-                    with gil:
-                        (<dict>self.engine_orig[pid]).clear()
-                    orig = False
-                self.c_cleared += 1
-                continue
-            if ev.n == 0:
-                continue
-            tier = _cache_tier(wc, p, ev.mpos, ev.mlen)
-            if tier == -2:
-                with gil:
-                    tier = self._wire_tier(p, ev.mpos, ev.mlen)
-                _cache_put_tier(wc, p, ev.mpos, ev.mlen, tier)
-            if tier < 0:
-                with gil:
-                    medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
-                    self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
-                continue
             if not ev.h_read or (ev.kind == EV_STORED and not ev.t_read):
                 self._scratch(ev.n, ev.n_tok if ev.kind == EV_STORED else 0)
                 _w_ints(p, ev.hpos, end, ev.n, self.sh, &fl)
                 if ev.kind == EV_STORED:
                     _w_ints(p, ev.tpos, end, ev.n_tok, <uint64_t*>self.stok, &fl)
-            if ev.h_neg:
-                self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
-            if ev.kind == EV_REMOVED:
-                self._unref(pid, tier, ev.n, orig, self.sh)
-                continue
-            if ev.has_parent and ev.parent_neg:
-                self.pflags[pid] |= F_SIGNED
-            ns = _cache_ns(wc, ev.bs)
-            if ns == -2:
-                with gil:
-                    ns = self._namespace(pid, <object>model, ev.bs, None)
-                _cache_put_ns(wc, ev.bs, ns)
-            if ns < 0:
-                self.c_refused[R_NS_LIMIT] += 1
-                continue
-            self._chain(pid, ns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL, self.sh, self.stok)
+            self._wire_event(pid, p, &ev, self.sh, self.stok, model, wc, &orig)
         return 0
 
-    cdef int _staged_apply(self, int pid, const uint8_t* p, const Stage* st, const WireCache* wc,
+    cdef int _wire_event(self, int pid, const uint8_t* p, const WEvent* ev, const uint64_t* sh,
+                         const int64_t* stok, void* model, WireCache* wc,
+                         bint* orig) except -1 nogil:
+        """One checked event of a wire batch at ``p`` (its hashes in ``sh``, tokens in
+        ``stok``) applied for engine ``pid``: both wire readers (the Python path's
+        :meth:`_wire_events`, the lane's :meth:`_staged_apply`) end here. ``model``: a
+        borrowed reference to the engine's model name; ``orig``: the engine keeps original
+        hashes (cleared with its blocks). Takes the GIL only to resolve a tier or
+        namespace that ``wc`` does not hold yet (then remembered there), to count a
+        refusal, or to empty the kept original hashes; an event whose tier and namespace
+        ``wc`` covers, with ``orig`` False, never takes it."""
+        cdef int tier, ns
+        self.c_events += 1
+        if not ev.feeds:
+            self.c_ignored += 1
+            return 0
+        if ev.kind == EV_CLEARED:
+            self._clear_engine(pid)
+            if orig[0]:
+                with gil:
+                    (<dict>self.engine_orig[pid]).clear()
+                orig[0] = False
+            self.c_cleared += 1
+            return 0
+        if ev.n == 0:
+            return 0
+        tier = _cache_tier(wc, p, ev.mpos, ev.mlen)
+        if tier == -2:
+            with gil:
+                tier = self._wire_tier(p, ev.mpos, ev.mlen)
+            _cache_put_tier(wc, p, ev.mpos, ev.mlen, tier)
+        if tier < 0:
+            with gil:
+                medium = p[ev.mpos:ev.mpos + ev.mlen].decode("ascii")
+                self._refuse(R_TIER_LIMIT, f"medium {medium!r}: more than {self.max_tiers} tiers")
+            return 0
+        if ev.h_neg:
+            self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
+        if ev.kind == EV_REMOVED:
+            self._unref(pid, tier, ev.n, orig[0], sh)
+            return 0
+        if ev.has_parent and ev.parent_neg:
+            self.pflags[pid] |= F_SIGNED
+        ns = _cache_ns(wc, ev.bs)
+        if ns == -2:
+            with gil:
+                ns = self._namespace(pid, <object>model, ev.bs, None)
+            _cache_put_ns(wc, ev.bs, ns)
+        if ns < 0:
+            self.c_refused[R_NS_LIMIT] += 1
+            return 0
+        self._chain(pid, ns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL, sh, stok)
+        return 0
+
+    cdef int _staged_apply(self, int pid, const uint8_t* p, const Stage* st, WireCache* wc,
                            int64_t* out) except -1 nogil:
         """One batch the lane's :func:`_w_stage` read into ``st`` (``p``: its bytes, for
         the media), applied for engine ``pid`` without the GIL, its counters added to the
         engine's; ``out`` gets its stored blocks, removed blocks and clears added. The
-        same apply as :meth:`_wire_events` with nothing left to read or resolve (the
-        stage checked that ``wc`` covers every tier and namespace). The caller holds the
-        facade's lock and knows the engine keeps no original hashes."""
+        stage checked that ``wc`` covers every tier and namespace, and the caller (holding
+        the facade's lock) that the engine keeps no original hashes: nothing here takes
+        the GIL."""
         cdef int64_t stored = 0, removed = 0, refused = 0, i
+        cdef bint orig = False
         cdef const WEvent* ev
-        cdef int tier, ns
         self._reset_batch_counters()
         try:
             for i in range(st.n_ev):
                 ev = &st.ev[i]
-                self.c_events += 1
-                if not ev.feeds:
-                    self.c_ignored += 1
-                    continue
-                if ev.kind == EV_CLEARED:
-                    self._clear_engine(pid)
-                    self.c_cleared += 1
-                    continue
-                if ev.n == 0:
-                    continue
-                tier = _cache_tier(wc, p, ev.mpos, ev.mlen)
-                if ev.h_neg:
-                    self.pflags[pid] |= F_SIGNED  # SGLang's signed int64 hashes
-                if ev.kind == EV_REMOVED:
-                    self._unref(pid, tier, ev.n, False, st.h + ev.hoff)
-                    continue
-                if ev.has_parent and ev.parent_neg:
-                    self.pflags[pid] |= F_SIGNED
-                ns = _cache_ns(wc, ev.bs)
-                self._chain(pid, ns, tier, ev.n, ev.bs, ev.has_parent, ev.parent, NULL,
-                            st.h + ev.hoff, st.t + ev.toff)
+                self._wire_event(pid, p, ev, st.h + ev.hoff, st.t + ev.toff, NULL, wc, &orig)
         finally:
             self._accumulate_c(pid, &stored, &removed, &refused)
             out[0] += stored
