@@ -23,6 +23,9 @@ For ours, the ingest thread's stretches between GIL releases during the window
 (``kvevents_ingest_gil_hold_seconds``, before and after): how many were over 0.5 ms, and
 the bucket bound that covers the longest.
 
+The server's CPU time per lookup (user + system of the whole process over the window,
+divided by the lookups; with ingest running it includes the ingest) is reported too.
+
 ``--rate 0``: no ingest during the lookups (the trace is applied first), the old P3
 shape. ``dynamo.indexer`` listens on 0.0.0.0, so with ``--sides`` naming it the whole
 benchmark re-executes itself inside ``unshare -n`` (loopback only; root or user
@@ -30,6 +33,7 @@ namespaces), as ``bench_dynamo_e2e.py`` does; it needs the bench venv.
 
     .venv/bin/python benchmarks/bench_http.py [--engines 16 --capacity 20000 --rate 200000]
     .venv-bench/bin/python benchmarks/bench_http.py --sides ours,dynamo --runs 3
+    .venv-bench/bin/python benchmarks/bench_http.py --sides ours,ours_asgi,dynamo --rate 0 --runs 4
 """
 
 from __future__ import annotations
@@ -109,6 +113,7 @@ class _Ours:
     name = "ours"
     path = "/v1/lookup"
     applied_unit = "block events"
+    env: dict | None = None  # the server's environment (None: this process's)
 
     def command(self, port: int, ports: dict[str, int]) -> list[str]:
         cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--port", str(port)]
@@ -140,12 +145,20 @@ class _Ours:
                 "lost_batches": sum(p["lost_batches"] for p in engines)}
 
 
+class _OursAsgi(_Ours):
+    """``kvevents serve`` with every lookup through the ASGI app
+    (``KVEVENTS_LOOKUP_IN_PROTOCOL=false``): the comparison for the protocol's path."""
+    name = "ours_asgi"
+    env = {**os.environ, "KVEVENTS_LOOKUP_IN_PROTOCOL": "false"}
+
+
 class _Dynamo:
     """``python -m dynamo.indexer``: ``POST /query``; applied = events (its metric)."""
     name = "dynamo"
     path = "/query"
     applied_unit = "events"
     cwd = None
+    env = None
 
     def command(self, port: int, ports: dict[str, int]) -> list[str]:
         workers = ",".join(f"{worker_id(e)}=tcp://127.0.0.1:{p}" for e, p in sorted(ports.items()))
@@ -196,6 +209,13 @@ def _poster(kind: str, client: httpx.Client, port: int, path: str):
     return post_stdlib
 
 
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system, every thread) process ``pid`` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _wakeup_probe(stop, result) -> None:
     """Sleep 1 ms at a time until ``stop``; put (wake-ups, > 1 ms late, > 2 ms late)."""
     n = late1 = late2 = 0
@@ -220,7 +240,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
     ports = ready.get(timeout=300)
     http_port = free_port()
     server = subprocess.Popen(side.command(http_port, ports), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, cwd=side.cwd)
+                              stderr=subprocess.DEVNULL, cwd=side.cwd, env=side.env)
     probe_stop, probe_out = mp.Event(), mp.Queue()
     probe = mp.Process(target=_wakeup_probe, args=(probe_stop, probe_out), daemon=True)
     try:
@@ -253,6 +273,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
                 post(b)
             probe.start()
             holds0 = gil_holds(client.get("/metrics").text)
+            cpu0 = _cpu_seconds(server.pid)
             applied0, sent0, w0 = side.applied(client), sent.value, time.perf_counter()
             lat, matched = [], []
             for i in range(args.requests):
@@ -264,6 +285,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
                     raise RuntimeError(f"{side.name} lookup answered {status}: {text[:200]!r}")
                 matched.append(side.best_match(json.loads(text)))
             window = time.perf_counter() - w0
+            cpu = _cpu_seconds(server.pid) - cpu0
             applied1, sent1 = side.applied(client), sent.value
             holds = gil_hold_window(holds0, gil_holds(client.get("/metrics").text))
             probe_stop.set()
@@ -287,7 +309,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
            "applied_per_s": round((applied1 - applied0) / window), "applied_unit": side.applied_unit,
            **extra,
            "p50_us": round(median(lat), 1), "p99_us": round(percentile(lat, 99), 1),
-           "max_us": round(max(lat), 1), "mean_best_match_tokens": round(sum(matched) / len(matched), 1),
+           "max_us": round(max(lat), 1), "server_cpu_us_per_lookup": round(1e6 * cpu / args.requests, 1), "mean_best_match_tokens": round(sum(matched) / len(matched), 1),
            "probe_late_1ms_pct": round(100 * late1 / max(1, wakeups), 2),
            "probe_late_2ms_pct": round(100 * late2 / max(1, wakeups), 2), **holds}
     print(f"  {row}", file=sys.stderr)
@@ -302,7 +324,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of ingest before the lookups")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=2048, choices=[2048, 32768])
-    ap.add_argument("--sides", default="ours", help="servers to measure: ours, dynamo or ours,dynamo")
+    ap.add_argument("--sides", default="ours",
+                    help="servers to measure, from ours, ours_asgi (lookups through the ASGI app), dynamo")
     ap.add_argument("--runs", type=int, default=1, help="runs per side (alternating order)")
     ap.add_argument("--workdir", default="/tmp/kvevents-traces")
     ap.add_argument("--client", choices=["stdlib", "httpx"], default="stdlib",
@@ -310,7 +333,7 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/http.json")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    known = {"ours": _Ours, "dynamo": _Dynamo}
+    known = {"ours": _Ours, "ours_asgi": _OursAsgi, "dynamo": _Dynamo}
     names = args.sides.split(",")
     if not names or any(n not in known for n in names):
         ap.error(f"--sides: expected names from {sorted(known)}, got {args.sides!r}")
@@ -327,14 +350,15 @@ def main() -> None:
             rows.append(run_side(side, args, paths, meta, prompts) | {"run": r})
     print(f"kvevents from {kvevents.__file__}", file=sys.stderr)
     cols = ["run", "side", "published_per_s", "applied_per_s", "applied_unit", "resident_entries",
-            "lost_batches", "p50_us", "p99_us", "max_us", "mean_best_match_tokens",
+            "lost_batches", "p50_us", "p99_us", "max_us", "server_cpu_us_per_lookup", "mean_best_match_tokens",
             "probe_late_1ms_pct", "probe_late_2ms_pct", "gil_over_0_5ms", "gil_longest_le_s"]
     print_table(cols, [[row[c] for c in cols] for row in rows])
     summary = {}
     for side in sides:
         mine = [row for row in rows if row["side"] == side.name]
         summary[side.name] = {"p50_us": median([row["p50_us"] for row in mine]),
-                              "p99_us": median([row["p99_us"] for row in mine])}
+                              "p99_us": median([row["p99_us"] for row in mine]),
+                              "server_cpu_us_per_lookup": median([row["server_cpu_us_per_lookup"] for row in mine])}
         print(f"{side.name}: median p50 {summary[side.name]['p50_us'] / 1000:.2f} ms, "
               f"p99 {summary[side.name]['p99_us'] / 1000:.2f} ms over {len(mine)} runs "
               f"(target p99 <= 1 ms while ingest runs at 200k block events/s)")

@@ -90,14 +90,17 @@ class LossyForwarder:
 
 
 class ServerThread:
-    """A real uvicorn server for an app, on a free 127.0.0.1 port, in a thread."""
+    """A real uvicorn server for an app, on a free 127.0.0.1 port, in a thread, configured
+    as ``kvevents serve`` configures it."""
 
     def __init__(self, app) -> None:
         import uvicorn
 
+        from kvevents.cli.serve import uvicorn_config
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+        self.server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", access_log=False))
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -77,7 +77,8 @@ def test_random_and_mutated_bodies():
     rng = random.Random(3)
     read = 0
     for _ in range(3000):
-        body: dict = {"token_ids": [rng.choice([0, 1, 9, 10, 4294967295, rng.randrange(1 << 32)])
+        body: dict = {"token_ids": [rng.choice([0, 1, 9, 10, 4294967295, rng.randrange(1 << 32),
+                                                rng.randrange(10 ** rng.randrange(1, 10))])
                                     for _ in range(rng.randrange(0, 20))]}
         if rng.random() < 0.3:
             body["model"] = rng.choice([None, "m", "a/b-c.d"])
@@ -87,9 +88,28 @@ def test_random_and_mutated_bodies():
         if rng.random() < 0.7:
             for _ in range(rng.randrange(1, 3)):
                 i = rng.randrange(len(raw))
-                raw[i] = rng.choice(b'0123456789,[]{}":. -enul\x00\xff')
+                raw[i] = rng.choice(b'0123456789,[]{}":. -enul\x00\xff:/')
         read += agree(bytes(raw))
     assert read > 1000
+
+
+def test_ids_of_every_length_in_every_place():
+    """Ids of 1 to 11 digits (and leading zeros), followed by each kind of byte, in the
+    middle of a body (read eight bytes at a time) and in its last bytes (digit by
+    digit): both readers agree."""
+    after = [b",", b" ,", b"]", b".5", b"e1", b":", b"/", b"a", b"\xff", b"\x00"]
+    read = 0
+    for digits in range(1, 12):
+        for lead in (b"1", b"9", b"0"):
+            number = lead + b"7" * (digits - 1)
+            for tail in after:
+                for pad in (b"", b" " * 12):
+                    for raw in (b'{"token_ids":[5,' + number + tail + b"1]" + pad + b"}",
+                                b'{"token_ids":[' + number + tail + b"]}"):
+                        read += agree(raw)
+    # The fast reader takes every valid one: 20 numbers (1-10 digits, no leading zero,
+    # at most 2^32 - 1), each followed by "," or " ,", with and without the padding.
+    assert read == 80
 
 
 @pytest.fixture

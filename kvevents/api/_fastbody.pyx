@@ -23,6 +23,40 @@ from libc.stdlib cimport realloc, free
 cdef uint64_t _MAX_ID = 4294967295ULL  # TokenId's bound in body.py
 
 
+cdef extern from *:
+    """
+    #include <string.h>
+    /* The decimal number that starts at p (p[0] is a digit; 8 bytes readable): its
+       digit count, its value in *out. 0 when all 8 bytes are digits (the caller reads
+       it digit by digit). Why: digit by digit, the loop's exit at each number's end is
+       a mispredicted branch (ids run 1 to 6 digits), most of a lookup body's reading
+       time. Here the count comes from a mask of the non-digit bytes and the value from
+       three multiplications (the SWAR conversion of eight digits, the missing leading
+       digits read as zeros). */
+    static inline int kv_digits8(const char* p, unsigned long long* out) {
+        unsigned long long x, nd;
+        int k;
+        memcpy(&x, p, 8);
+    #if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        x = __builtin_bswap64(x);
+    #endif
+        /* A byte is a digit when its high nibble is 3 and its low nibble is at most 9;
+           nd has a non-zero byte exactly where p has a non-digit (no carries). */
+        nd = ((x & 0xF0F0F0F0F0F0F0F0ULL) ^ 0x3030303030303030ULL)
+           | (((x & 0x0F0F0F0F0F0F0F0FULL) + 0x0606060606060606ULL) & 0xF0F0F0F0F0F0F0F0ULL);
+        if (nd == 0) return 0;
+        k = __builtin_ctzll(nd) >> 3;
+        if (k == 0) return 0;
+        x <<= (8 - k) * 8;
+        x = ((x & 0x0F0F0F0F0F0F0F0FULL) * 2561) >> 8;
+        x = ((x & 0x00FF00FF00FF00FFULL) * 6553601) >> 16;
+        *out = ((x & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32;
+        return k;
+    }
+    """
+    int kv_digits8(const char* p, uint64_t* out) noexcept nogil
+
+
 # Characters are compared by code (Cython would otherwise compare bytes objects).
 cdef inline Py_ssize_t _ws(const char* p, Py_ssize_t i, Py_ssize_t n) noexcept nogil:
     while i < n and (p[i] == 32 or p[i] == 9 or p[i] == 10 or p[i] == 13):
@@ -97,13 +131,19 @@ def lookup_body(bytes raw):
                             return None
                         if p[i] == 48 and i + 1 < n and 48 <= p[i + 1] <= 57:
                             return None  # a leading zero is not JSON
-                        v = 0
-                        m = i
-                        while i < n and 48 <= p[i] <= 57:
-                            if i - m >= 10:
-                                return None
-                            v = v * 10 + <uint64_t>(p[i] - 48)  # '0'
-                            i += 1
+                        # Up to 7 digits with one load and no branch on their
+                        # count; longer ids, and the last 7 bytes, digit by digit.
+                        k = kv_digits8(p + i, &v) if i + 8 <= n else 0
+                        if k:
+                            i += k
+                        else:
+                            v = 0
+                            m = i
+                            while i < n and 48 <= p[i] <= 57:
+                                if i - m >= 10:
+                                    return None
+                                v = v * 10 + <uint64_t>(p[i] - 48)  # '0'
+                                i += 1
                         if v > _MAX_ID or (i < n and (p[i] == 46 or p[i] == 101 or p[i] == 69)):
                             return None
                         if n_ids == cap:

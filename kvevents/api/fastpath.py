@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvevents.api._fastbody import lookup_body
 from kvevents.api.routes_query import _json, lookup_payload
+from kvevents.index import LookupResult
 from kvevents.routing.offloop import lookup as lookup_off_loop
 
 _PATH = "/v1/lookup"
@@ -68,14 +69,24 @@ class LookupFastPath:
 
     async def _answer(self, agg, raw: bytes) -> bytes | None:
         """The answer to a common body, or None for the app to answer."""
-        got = lookup_body(raw)
+        got = common_lookup(raw, self.max_prompt_tokens)
         if got is None:
             return None
-        ids, model, lora = got
-        if len(ids) > self.max_prompt_tokens:
-            return None
-        result = await lookup_off_loop(agg, ids, model, lora, "lookup")
-        return _json.encode(lookup_payload(result, agg.unroutable_engines()))
+        return encode_answer(agg, await lookup_off_loop(agg, *got, "lookup"))
+
+
+def common_lookup(raw: bytes, max_prompt_tokens: int) -> tuple | None:
+    """``(token_ids, model, lora_name)`` of a common lookup body within the prompt
+    limit, else None (the app's route answers it, errors included)."""
+    got = lookup_body(raw)
+    if got is None or len(got[0]) > max_prompt_tokens:
+        return None
+    return got
+
+
+def encode_answer(agg, result: LookupResult) -> bytes:
+    """The route's JSON answer to ``result`` (``routes_query.lookup_payload``)."""
+    return _json.encode(lookup_payload(result, agg.unroutable_engines()))
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

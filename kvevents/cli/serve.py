@@ -15,6 +15,7 @@ import sys
 import uvicorn
 
 from kvevents.api import create_app
+from kvevents.api.lookup_protocol import protocol_class
 from kvevents.discovery import DiscoveryConfigError
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerLoadError
@@ -70,6 +71,14 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def uvicorn_config(app, *, lookup_in_protocol: bool = True, **options) -> uvicorn.Config:
+    """uvicorn's configuration for the aggregator's ``app``: common lookups answered in
+    its HTTP protocol, before the ASGI cycle (:mod:`kvevents.api.lookup_protocol`),
+    unless ``lookup_in_protocol`` is false. ``options`` go to ``uvicorn.Config``."""
+    http = (protocol_class(app) if lookup_in_protocol else None) or "auto"
+    return uvicorn.Config(app, http=http, **options)
+
+
 def run_server(settings: AggregatorSettings) -> int:
     """Serve until SIGINT/SIGTERM; the app's lifespan starts and stops the aggregator."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -87,7 +96,8 @@ def run_server(settings: AggregatorSettings) -> int:
     for engine in settings.engines:
         log.info("following %s at %s%s", engine.name, engine.endpoint,
                  f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else "")
-    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False)
+    config = uvicorn_config(app, lookup_in_protocol=settings.lookup_in_protocol,
+                            log_level=settings.log_level, access_log=False)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

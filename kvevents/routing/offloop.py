@@ -5,7 +5,7 @@ A lookup holds the index lock for microseconds, and the ingest thread holds it f
 batch at a time in the lane (handing it to a waiting lookup first), or one part of a
 group on the Python path (``PrefixIndex.apply_batches``: about 16 KiB of batches, a
 tenth of a millisecond here). So the caller waits for the lock on the event loop for at
-most ``_LOOP_WAIT_S``; only past that (the ingest thread descheduled while holding it,
+most ``LOOP_WAIT_S``; only past that (the ingest thread descheduled while holding it,
 say) does the wait move to the thread pool, and the event loop keeps serving other
 requests. Measured under 200k block events/s of ingest, when every busy lock meant a
 thread-pool hop: 46% of lookups found the lock taken, and their hop was the slow part
@@ -30,14 +30,14 @@ from kvevents.text.chat import ChatMessage
 from kvevents.text.prompt import check_length, chosen_input, text_encoder
 
 # Longest the event loop waits for the index lock before handing the wait to a thread.
-_LOOP_WAIT_S = 0.002
+LOOP_WAIT_S = 0.002
 
 
 async def lookup(agg: Aggregator, token_ids, model: str | None, lora_name: str | None,
                  endpoint: str) -> LookupResult:
     try:
         return agg.lookup(token_ids, model=model, lora_name=lora_name, endpoint=endpoint,
-                          timeout=_LOOP_WAIT_S)
+                          timeout=LOOP_WAIT_S)
     except IndexBusy:
         return await run_in_threadpool(agg.lookup, token_ids, model, lora_name,
                                        endpoint=endpoint)

@@ -169,6 +169,9 @@ class AggregatorSettings(BaseSettings):
     replay_timeout_s: float = Field(2.0, gt=0, description="seconds to wait for a replay reply")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest HTTP request body")
     max_prompt_tokens: int = Field(1_000_000, ge=1, description="longest prompt a lookup takes")
+    lookup_in_protocol: bool = Field(True, description="kvevents serve: answer common "
+                                     "POST /v1/lookup bodies in the HTTP protocol, before the "
+                                     "ASGI app (false: every lookup through the app)")
     event_feed_size: int = Field(2048, ge=1, description="events kept for /v1/events clients")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level")
