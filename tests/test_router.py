@@ -160,3 +160,32 @@ def test_route_bad_input(server, body, status, field):
     r = httpx.post(f"{server.url}/v1/route", json=body)
     assert r.status_code == status, r.text
     assert r.json()["field"] == field, r.json()
+
+
+def test_route_settings_set_the_policys_trade():
+    """``route_max_imbalance`` / ``route_load_weight`` (``--route-*``) reach the policy
+    that ``POST /v1/route`` and the gateway use: with the guard at 1 request, or a heavy
+    load weight, the engine that caches the whole prompt but is 2 requests busier is
+    passed over; by default it is chosen."""
+    ports = [free_port(), free_port()]
+    pubs = [ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://*:{p}")) for p in ports]
+    engines = tuple(EngineSpec(n, f"tcp://127.0.0.1:{p}") for n, p in zip("ab", ports))
+    body = {"token_ids": PROMPT, "candidates": [{"engine": "a", "load": {"running": 2}}, {"engine": "b"}]}
+    chosen = {}
+    try:
+        for name, extra in (("default", {}), ("guard", {"route_max_imbalance": 1}),
+                            ("load", {"route_load_weight": 50})):
+            app = create_app(AggregatorSettings(engines=engines, **extra))
+            with ServerThread(app) as srv:
+                assert wait_until(lambda: not app.state.aggregator.down_engines(), 5)
+                app.state.aggregator.index.apply_batch("a", KVEventBatch(1.0, [BlockStored(
+                    list(range(1, 129)), None, PROMPT, 16, None, "GPU", None)]))  # all of it
+                r = httpx.post(f"{srv.url}/v1/route", json=body)
+                assert r.status_code == 200, r.text
+                chosen[name] = (r.json()["engine"], r.json()["reason"])
+    finally:
+        for pub in pubs:
+            pub.shutdown(0.5)
+    assert chosen["default"][0] == "a"
+    assert chosen["guard"][0] == "b" and chosen["guard"][1].startswith("load guard")
+    assert chosen["load"][0] == "b"

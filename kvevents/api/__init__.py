@@ -24,7 +24,7 @@ from kvevents.api.fastpath import LookupFastPath
 from kvevents.api.limits import BodySizeLimit
 from kvevents.discovery import Discovery, build_sources
 from kvevents.gateway import Gateway, GatewayMetrics
-from kvevents.routing import Router
+from kvevents.routing import KVAwarePolicy, KVRouterConfig, Router
 from kvevents.service.aggregator import Aggregator
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerRegistry
@@ -50,7 +50,9 @@ def create_app(
         app.state.discovery = Discovery(agg, sources, grace_s=settings.discover_grace_s,
                                         first_round_timeout_s=settings.recovery_timeout_s)
         app.state.discovery.start()
-        app.state.routing = Router(agg)
+        app.state.routing = Router(agg, KVAwarePolicy(KVRouterConfig(
+            load_weight=settings.route_load_weight, max_imbalance=settings.route_max_imbalance,
+            affinity_weight=settings.route_affinity_weight)))
         app.state.gateway = Gateway(
             app.state.routing, app.state.tokenizers, GatewayMetrics(agg.registry),
             api_key=settings.api_key, timeout_s=settings.request_timeout_s,

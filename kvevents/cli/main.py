@@ -119,6 +119,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                            "answer (default: {default})")
     p.add_argument("--max-inflight", type=int, default=None, dest="max_inflight",
                    help="proxied requests in flight before 503 (default: {default})")
+    p.add_argument("--route-load-weight", type=float, default=None, metavar="W",
+                   help="routing: weight of an engine's load against the share of the prompt "
+                        "it caches; higher balances more, keeps fewer cache hits (default: {default})")
+    p.add_argument("--route-max-imbalance", type=float, default=None, metavar="REQUESTS",
+                   help="routing: never choose an engine more than this many requests busier "
+                        "than the least loaded one (default: {default})")
+    p.add_argument("--route-affinity-weight", type=float, default=None, metavar="W",
+                   help="routing: bonus of the engine a prompt's distinctive part hashes to "
+                        "(default: {default})")
     p.add_argument("--engine-poll-interval", type=float, default=None, dest="engine_poll_interval_s",
                    metavar="SECONDS", help="seconds between reads of each engine's /metrics "
                                            "(default: {default})")
@@ -210,6 +219,8 @@ def _serve(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s, max_inflight=args.max_inflight,
             engine_poll_interval_s=args.engine_poll_interval_s,
             engine_poll_busy_interval_s=args.engine_poll_busy_interval_s,
+            route_load_weight=args.route_load_weight, route_max_imbalance=args.route_max_imbalance,
+            route_affinity_weight=args.route_affinity_weight,
             discover_dns=args.discover_dns, discover_interval_s=args.discover_interval_s,
             dns_server=args.dns_server, discover_k8s_selector=args.discover_k8s_selector,
             discover_k8s_namespace=args.discover_k8s_namespace,

@@ -215,6 +215,16 @@ class AggregatorSettings(BaseSettings):
                                                               "for (more of) its answer")
     max_inflight: int = Field(1024, ge=1, description="proxied requests in flight before the "
                                                       "gateway answers 503")
+    # The KV-aware policy's trade of cache against load (kvevents.routing.policies), for
+    # POST /v1/route and the gateway alike.
+    route_load_weight: float = Field(0.5, ge=0, description="routing: weight of an engine's "
+                                     "load against the share of the prompt it caches")
+    route_max_imbalance: float = Field(8.0, ge=0, description="routing: an engine more than "
+                                       "this many requests busier than the least loaded one "
+                                       "is not chosen, however much it caches")
+    route_affinity_weight: float = Field(0.15, ge=0, description="routing: bonus of the engine "
+                                         "a prompt's distinctive part hashes to (keeps a "
+                                         "conversation on one engine)")
     engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
                                                                  "engine's /metrics (its load)")
     engine_poll_busy_interval_s: float = Field(
