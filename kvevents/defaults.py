@@ -5,3 +5,9 @@ importing pydantic.
 """
 
 DEFAULT_PORT = 8090  # the aggregator's HTTP port; not 8000, `vllm serve`'s, often on the same host
+
+# The KV-aware routing policy's trade of cache against load (kvevents.routing.policies:
+# KVRouterConfig; the serve settings route_* take them as defaults).
+ROUTE_LOAD_WEIGHT = 0.5
+ROUTE_MAX_IMBALANCE = 8.0  # requests
+ROUTE_AFFINITY_WEIGHT = 0.15

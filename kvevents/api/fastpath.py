@@ -13,6 +13,12 @@ a prompt over the token limit (the app words those errors), a client that leaves
 other method or path. So the app's route stays the one reference for the semantics, and
 answers every error.
 
+Under ``kvevents serve`` the HTTP protocol answers these bodies first
+(:mod:`kvevents.api.lookup_protocol`, with :func:`common_lookup` and
+:func:`encode_answer` from here); this middleware answers them when the app runs under
+another server, when that is turned off, and when the protocol handed a lookup on
+because the index lock stayed taken.
+
 Lifecycle: the outermost of the app's own middlewares (``create_app`` adds it last;
 only Starlette's error middleware is outside it); reads ``app.state.aggregator`` per
 request (set by the lifespan; before it, the app answers).

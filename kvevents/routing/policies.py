@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvevents.defaults import ROUTE_AFFINITY_WEIGHT, ROUTE_LOAD_WEIGHT, ROUTE_MAX_IMBALANCE
 from kvevents.index import LookupResult
 
 _TIE_EPS = 1e-9
@@ -94,10 +95,10 @@ class KVRouterConfig:
     """Weights of the KV-aware policy, validated once."""
 
     tier_weights: dict[str, float] = field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.6})
-    load_weight: float = 0.5
+    load_weight: float = ROUTE_LOAD_WEIGHT
     kv_weight: float = 1.0
-    max_imbalance: float = 8.0  # requests
-    affinity_weight: float = 0.15
+    max_imbalance: float = ROUTE_MAX_IMBALANCE  # requests
+    affinity_weight: float = ROUTE_AFFINITY_WEIGHT
 
     def __post_init__(self) -> None:
         if any(w < 0 for w in self.tier_weights.values()):

@@ -40,7 +40,8 @@ from pydantic import AliasChoices, Field, InstanceOf, ValidationError, field_val
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvevents.defaults import DEFAULT_PORT
+from kvevents.defaults import (DEFAULT_PORT, ROUTE_AFFINITY_WEIGHT, ROUTE_LOAD_WEIGHT,
+                               ROUTE_MAX_IMBALANCE)
 # EngineSpec (and its deprecated alias PodSpec) lives in kvevents.engines; re-exported
 # here, where 0.1.0 defined it, with the name pattern.
 from kvevents.engines.spec import ENGINE_NAME_PATTERN, EngineSpec, PodSpec  # noqa: F401
@@ -217,14 +218,17 @@ class AggregatorSettings(BaseSettings):
                                                       "gateway answers 503")
     # The KV-aware policy's trade of cache against load (kvevents.routing.policies), for
     # POST /v1/route and the gateway alike.
-    route_load_weight: float = Field(0.5, ge=0, description="routing: weight of an engine's "
-                                     "load against the share of the prompt it caches")
-    route_max_imbalance: float = Field(8.0, ge=0, description="routing: an engine more than "
-                                       "this many requests busier than the least loaded one "
-                                       "is not chosen, however much it caches")
-    route_affinity_weight: float = Field(0.15, ge=0, description="routing: bonus of the engine "
-                                         "a prompt's distinctive part hashes to (keeps a "
-                                         "conversation on one engine)")
+    route_load_weight: float = Field(
+        ROUTE_LOAD_WEIGHT, ge=0,
+        description="routing: weight of an engine's load against the share of the prompt it caches")
+    route_max_imbalance: float = Field(
+        ROUTE_MAX_IMBALANCE, ge=0,
+        description="routing: an engine more than this many requests busier than the least "
+                    "loaded one is not chosen, however much it caches")
+    route_affinity_weight: float = Field(
+        ROUTE_AFFINITY_WEIGHT, ge=0,
+        description="routing: bonus of the engine a prompt's distinctive part hashes to (keeps "
+                    "a conversation on one engine)")
     engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
                                                                  "engine's /metrics (its load)")
     engine_poll_busy_interval_s: float = Field(
