@@ -49,7 +49,9 @@ Per run: prefix-cache hit tokens as the engines report them (deltas of
 engines), TTFT p50/p90 (client side, to the first streamed chunk with a choice: vLLM
 sends it with the first token), e2e p50,
 requests per engine (deltas of each engine's ``vllm:request_success_total``: the same
-measure for every router), failures (must be 0), and the latency the router adds to a
+measure for every router), each engine's own mean time per request and prompt tokens
+it computed (``vllm:e2e_request_latency_seconds``, ``vllm:prompt_tokens_total`` less its
+hits: a slower engine and a busier one look alike in the request counts), failures (must be 0), and the latency the router adds to a
 one-token chat completion (``max_tokens=1``, a short prompt, ``--latency-probes``
 sequential requests through the router, interleaved with the same directly to the
 engines: p50 and p99 through the router minus directly).
@@ -348,7 +350,13 @@ def metric_samples(text: str, prefix: str) -> dict[str, float]:
 
 
 ENGINE_COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
-                   "success": "vllm:request_success_total"}
+                   "success": "vllm:request_success_total",
+                   # Each engine's own time per request and prompt tokens computed: tells an
+                   # engine that is slower (its core shared with more of the benchmark's
+                   # processes) from one that was given more work.
+                   "e2e_sum": "vllm:e2e_request_latency_seconds_sum",
+                   "e2e_count": "vllm:e2e_request_latency_seconds_count",
+                   "prompt_tokens": "vllm:prompt_tokens_total"}
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -572,6 +580,9 @@ def one_run(router: str, rnd: int, fleet, events, ours: list[Ours], reqs: list[C
             "e2e_p50_s": percentile(e2e, 50) if e2e else None,
             "requests_per_engine": [int(d["success"]) for d in delta],
             "engine_hits": [int(d["hits"]) for d in delta],
+            "engine_mean_e2e_s": [d["e2e_sum"] / d["e2e_count"] if d["e2e_count"] else None
+                                  for d in delta],
+            "engine_computed_prompt_tokens": [int(d["prompt_tokens"] - d["hits"]) for d in delta],
         })
         if mine:
             texts = [o.metrics() for o in mine]
@@ -611,17 +622,18 @@ def _ms(v) -> str:
 
 def _row(r: dict) -> list:
     if "error" in r and "latency" not in r:
-        return [r["round"], r["router"], "ERROR", r["error"].splitlines()[0][:90], "", "", "", "", "", ""]
+        return [r["round"], r["router"], "ERROR", r["error"].splitlines()[0][:90], "", "", "", "", "", "", ""]
     lat = r.get("latency") or {}
     return [r["round"], r["router"], r.get("failures", "-"), f"{r['hit_tokens']:,}",
             f"{r['hit_pct']:.1f}%", _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["e2e_p50_s"]),
             "/".join(map(str, r["requests_per_engine"])),
+            "/".join(_ms(v) for v in r.get("engine_mean_e2e_s", [])),
             f"{lat.get('added_p50_ms', float('nan')):+.2f} / {lat.get('added_p99_ms', float('nan')):+.2f}"
             + (f"  INVALID: {r['invalid']}" if r.get("invalid") else "")]
 
 
 HEADERS = ["round", "router", "failures", "hit tokens", "hit %", "TTFT p50 ms", "TTFT p90 ms",
-           "e2e p50 ms", "requests/engine", "added p50 / p99 ms"]
+           "e2e p50 ms", "requests/engine", "engine mean e2e ms", "added p50 / p99 ms"]
 
 
 def summarize(rows: list[dict], routers: list[str]) -> list[dict]:
