@@ -13,7 +13,7 @@ What is answered here: ``POST /v1/lookup`` (exact path, no query) on a connectio
 no request of its own in flight, without ``Expect: 100-continue``, whose body
 :func:`~kvevents.api.fastpath.common_lookup` reads (the common shape, within the body
 and prompt limits), once the app is started, and only when the index lock is free within
-the event loop's bound (:data:`~kvevents.routing.offloop.LOOP_WAIT_S`). Everything else
+the event loop's bound (:func:`~kvevents.routing.offloop.lookup_now`). Everything else
 goes to the app exactly as it would have: uvicorn's own request cycle is started late,
 with the body received so far, so the app's route stays the reference for the semantics
 and answers every error (a body past the size limit is handed over the moment it
@@ -34,8 +34,7 @@ from __future__ import annotations
 import logging
 
 from kvevents.api.fastpath import common_lookup, encode_answer
-from kvevents.index import IndexBusy
-from kvevents.routing.offloop import LOOP_WAIT_S
+from kvevents.routing.offloop import lookup_now
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +66,10 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
     """See the module docstring; made per app by :func:`protocol_class`."""
 
     lookup_app = None
-    #: The body of a lookup being held here (None: the request is uvicorn's).
-    _held: bytearray | None = None
+    #: The body of a lookup being held here, as it came (None: the request is uvicorn's);
+    #: a list, not a bytearray: a body in one piece is then read without a copy.
+    _held: list[bytes] | None = None
+    _held_size = 0
     #: The aggregator answering the held lookup.
     _agg = None
     #: The server asked to shut down while a held lookup was arriving.
@@ -80,7 +81,7 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
                 and (self.cycle is None or self.cycle.response_complete)):
             self._agg = getattr(self.lookup_app.state, "aggregator", None)
             if self._agg is not None:  # else the app is not started: it answers
-                self._held = bytearray()
+                self._held, self._held_size = [], 0
                 return
         self._held = None
         super().on_headers_complete()
@@ -90,8 +91,9 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         if held is None:
             super().on_body(body)
             return
-        held += body
-        if len(held) > self._agg.settings.max_body_bytes:
+        held.append(body)
+        self._held_size += len(body)
+        if self._held_size > self._agg.settings.max_body_bytes:
             self._to_app(more=True)  # the app refuses it as it arrives
 
     def on_message_complete(self) -> None:
@@ -100,7 +102,7 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
             super().on_message_complete()
             return
         try:
-            answer = self._answer(bytes(held))
+            answer = self._answer(b"".join(held))  # one piece: that piece, not a copy
         except Exception:  # a fault here must still get the app's error answer
             log.exception("lookup in the protocol failed; the app answers it")
             answer = None
@@ -133,12 +135,8 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         got = common_lookup(raw, agg.settings.max_prompt_tokens)
         if got is None:
             return None
-        try:
-            result = agg.lookup(got[0], model=got[1], lora_name=got[2], endpoint="lookup",
-                                timeout=LOOP_WAIT_S)
-        except IndexBusy:
-            return None
-        return encode_answer(agg, result)
+        result = lookup_now(agg, *got, "lookup")
+        return None if result is None else encode_answer(agg, result)
 
     def _to_app(self, *, more: bool) -> None:
         """Start uvicorn's own cycle for this request now, with the body held so far
@@ -146,7 +144,7 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         held, self._held = self._held, None
         super().on_headers_complete()
         if held:
-            super().on_body(bytes(held))
+            super().on_body(b"".join(held))
         if not more:
             super().on_message_complete()
         if self._close_after:

@@ -5,7 +5,7 @@ A lookup holds the index lock for microseconds, and the ingest thread holds it f
 batch at a time in the lane (handing it to a waiting lookup first), or one part of a
 group on the Python path (``PrefixIndex.apply_batches``: about 16 KiB of batches, a
 tenth of a millisecond here). So the caller waits for the lock on the event loop for at
-most ``LOOP_WAIT_S``; only past that (the ingest thread descheduled while holding it,
+most ``_LOOP_WAIT_S``; only past that (the ingest thread descheduled while holding it,
 say) does the wait move to the thread pool, and the event loop keeps serving other
 requests. Measured under 200k block events/s of ingest, when every busy lock meant a
 thread-pool hop: 46% of lookups found the lock taken, and their hop was the slow part
@@ -30,17 +30,27 @@ from kvevents.text.chat import ChatMessage
 from kvevents.text.prompt import check_length, chosen_input, text_encoder
 
 # Longest the event loop waits for the index lock before handing the wait to a thread.
-LOOP_WAIT_S = 0.002
+_LOOP_WAIT_S = 0.002
+
+
+def lookup_now(agg: Aggregator, token_ids, model: str | None, lora_name: str | None,
+               endpoint: str) -> LookupResult | None:
+    """The lookup, waiting for the index lock on this thread for at most the event
+    loop's bound; None when the lock stayed taken (wait for it off the loop)."""
+    try:
+        return agg.lookup(token_ids, model=model, lora_name=lora_name, endpoint=endpoint,
+                          timeout=_LOOP_WAIT_S)
+    except IndexBusy:
+        return None
 
 
 async def lookup(agg: Aggregator, token_ids, model: str | None, lora_name: str | None,
                  endpoint: str) -> LookupResult:
-    try:
-        return agg.lookup(token_ids, model=model, lora_name=lora_name, endpoint=endpoint,
-                          timeout=LOOP_WAIT_S)
-    except IndexBusy:
+    result = lookup_now(agg, token_ids, model, lora_name, endpoint)
+    if result is None:
         return await run_in_threadpool(agg.lookup, token_ids, model, lora_name,
                                        endpoint=endpoint)
+    return result
 
 
 async def prompt_token_ids(tokenizers: TokenizerRegistry, limit: int, *, model: str | None,
