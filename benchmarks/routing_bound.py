@@ -28,6 +28,7 @@ import argparse
 import collections
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,6 +81,34 @@ def block_keys(ids: list[int]) -> list[bytes]:
     return keys
 
 
+@dataclass
+class Request:
+    """One request of the gateway benchmark's workload, as the engines see it."""
+
+    session: str
+    group: str  # its system prompt (a conversation) or document (a question)
+    ids: list[int]  # the rendered chat template, tokenized
+    keys: list[bytes]  # its full blocks' chained keys
+    max_tokens: int
+
+
+def workload(model_dir: str, requests: int, seed: int) -> list[Request]:
+    """bench_gateway.py's workload (``requests``, ``seed``), tokenized as its engines do."""
+    from transformers import AutoTokenizer
+
+    from kvevents.demo.tiny_model import make_tiny_model
+
+    model = make_tiny_model(model_dir, tokenizer=True, size="small")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    out = []
+    for r in build_workload(requests, model, seed):
+        text = tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        group = r.messages[0]["content"] if r.kind == "chat" else r.messages[1]["content"].split("\n", 1)[0]
+        out.append(Request(r.session, group, ids, block_keys(ids), r.max_tokens))
+    return out
+
+
 def longest(c: Caches, keys: list[bytes], counts: list[int]) -> int:
     m = [c.match(keys, e) for e in range(len(counts))]
     return min((e for e in range(len(counts)) if m[e] == max(m)), key=lambda e: counts[e])
@@ -120,18 +149,7 @@ def main() -> None:
     ap.add_argument("--model-dir", default="/tmp/kvevents-bench-gateway/model-small")
     ap.add_argument("--horizons", default="8,20")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    from kvevents.demo.tiny_model import make_tiny_model
-
-    model = make_tiny_model(a.model_dir, tokenizer=True, size="small")
-    tok = AutoTokenizer.from_pretrained(str(model))
-    reqs = []
-    for r in build_workload(a.requests, model, a.seed):
-        text = tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        group = r.messages[0]["content"] if r.kind == "chat" else r.messages[1]["content"].split("\n", 1)[0]
-        reqs.append((group, ids, block_keys(ids)))
+    reqs = [(r.group, r.ids, r.keys) for r in workload(a.model_dir, a.requests, a.seed)]
     total = sum(len(ids) for _, ids, _ in reqs)
     groups = sorted({g for g, _, _ in reqs})
     E, B = a.engines, a.blocks

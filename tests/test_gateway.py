@@ -123,6 +123,30 @@ def test_new_prompts_spread_over_the_engines(fleet):
     assert len(results) == 16 and len(counts) == 2 and min(counts.values()) >= 4, counts
 
 
+def test_a_hot_shared_prefix_does_not_hold_one_engine(fleet):
+    """New conversations behind one long system prompt, one at a time: the cache alone
+    would send every one to the engine that cached the system prompt first. The gateway
+    evens out its share of requests (``route_balance_weight``): the other engine gets
+    some, caches the system prompt too, and from then on the conversations split while
+    each still hits the cached system prompt."""
+    system = _prompt(7000, 128)
+    chosen, cached = [], []
+    for i in range(40):
+        prompt = system + _prompt(8000 + i, 32)
+        r = _complete(fleet.url, prompt, max_tokens=2)
+        assert r.status_code == 200, r.text
+        chosen.append(r.headers["x-kvevents-engine"])
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        # The next decision sees this one's blocks (conversations one after another).
+        assert wait_until(lambda: any(m["engine"] == chosen[-1] and m["matched_tokens"] >= 160
+                                      for m in httpx.post(fleet.url + "/v1/lookup", json={
+                                          "token_ids": prompt, "model": MODEL}).json()["engines"]), 10)
+    counts = {name: chosen.count(name) for name in set(chosen)}
+    assert len(counts) == 2 and min(counts.values()) >= 12, counts
+    # Both engines hold the system prompt by the end: the last requests all hit it.
+    assert set(chosen[-10:]) == set(counts) and min(cached[-10:]) >= 128, list(zip(chosen, cached))
+
+
 def test_a_session_stays_on_its_engine(fleet):
     engines = set()
     for i in range(6):  # different prompts, one conversation

@@ -16,7 +16,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Mount, Route
 
 from support import ServerThread
-from kvevents.gateway.load import SETTLE_S, EngineLoads
+from kvevents.gateway.load import SETTLE_S, SHARE_WINDOW, EngineLoads
 from kvevents.service.settings import load_settings
 
 
@@ -224,3 +224,25 @@ def test_the_busy_interval_setting():
     assert load_settings(env={}, engine_poll_busy_interval_s=0.25).engine_poll_busy_interval_s == 0.25
     assert load_settings(env={"KVEVENTS_ENGINE_POLL_BUSY_INTERVAL_S": "0.05"}
                          ).engine_poll_busy_interval_s == 0.05
+
+
+def test_shares_follow_the_latest_requests_from_an_even_start():
+    """A gateway's per-engine shares: even before any request (a prior of a full
+    window, so its first requests do not swing them), each request weighing
+    ``1 / SHARE_WINDOW``, older ones fading; an engine that joins starts at the others'
+    mean."""
+    loads = EngineLoads()
+    assert loads.shares(["a", "b"]) == {"a": 0.5, "b": 0.5}
+    loads.started("a", 0)
+    first = loads.shares(["a", "b"])
+    assert 0.5 < first["a"] < 0.52 and abs(sum(first.values()) - 1) < 1e-9
+    for _ in range(SHARE_WINDOW * 8):  # long after: only the latest requests count
+        loads.started("b", 0)
+    assert loads.shares(["a", "b"])["b"] > 0.99
+    for i in range(SHARE_WINDOW * 8):  # three in four to a
+        loads.started("b" if i % 4 == 0 else "a", 0)
+    assert 0.7 < loads.shares(["a", "b"])["a"] < 0.8
+    joined = loads.shares(["a", "b", "c"])  # c is new: the mean of a and b
+    assert abs(joined["c"] - 1 / 3) < 1e-9 and abs(sum(joined.values()) - 1) < 1e-9
+    loads.finished("a", 0)  # finishing changes nothing: shares count requests sent
+    assert loads.shares(["a", "b", "c"]) == joined

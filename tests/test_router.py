@@ -100,6 +100,31 @@ def test_affinity_sends_a_conversation_back_to_the_same_engine():
     assert others == set(names)
 
 
+def test_balance_evens_out_the_requests_a_gateway_sends():
+    """``recent_share`` (a gateway's fraction of its recent requests per engine) pulls
+    toward the engine short of its share: it wins the prompts where it trails by little
+    in cache, not those another engine caches whole; a weight of 0, or no share (``POST
+    /v1/route``), leaves the cache to decide."""
+    def shares(a: float, b: float | None = None) -> list[Candidate]:
+        return [Candidate("a", recent_share=a), Candidate("b", recent_share=b if b is not None else 1 - a)]
+
+    policy = KVAwarePolicy(KVRouterConfig(affinity_weight=0.0, balance_weight=3.0))
+    half = result(a=(1024, {"GPU": 1024}))  # a caches half the prompt, b nothing
+    assert policy.choose(PROMPT, half, shares(0.5)).engine == "a"
+    d = policy.choose(PROMPT, half, shares(0.6))
+    assert d.engine == "b"  # 3 x 0.2 > 0.5
+    assert d.reason == ("a caches more (1024 tokens against 0) but scores lower (60% of the "
+                        "recent requests against 40%); chose b")
+    whole = result(a=(2048, {"GPU": 2048}))
+    assert policy.choose(PROMPT, whole, shares(0.6)).engine == "a"  # 1.0 > 0.6
+    assert policy.choose(PROMPT, whole, shares(0.7)).engine == "b"
+    off = KVAwarePolicy(KVRouterConfig(affinity_weight=0.0, balance_weight=0.0))
+    assert off.choose(PROMPT, half, shares(0.9)).engine == "a"
+    assert policy.choose(PROMPT, half, cands("a", "b")).engine == "a"  # no shares tracked
+    with pytest.raises(ValueError):
+        KVRouterConfig(balance_weight=-1)
+
+
 def test_baselines():
     rr = RoundRobinPolicy()
     assert [rr.choose(PROMPT, None, cands("a", "b", "c")).engine for _ in range(4)] == ["a", "b", "c", "a"]

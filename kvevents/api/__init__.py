@@ -52,7 +52,8 @@ def create_app(
         app.state.discovery.start()
         app.state.routing = Router(agg, KVAwarePolicy(KVRouterConfig(
             load_weight=settings.route_load_weight, max_imbalance=settings.route_max_imbalance,
-            affinity_weight=settings.route_affinity_weight)))
+            affinity_weight=settings.route_affinity_weight,
+            balance_weight=settings.route_balance_weight)))
         app.state.gateway = Gateway(
             app.state.routing, app.state.tokenizers, GatewayMetrics(agg.registry),
             api_key=settings.api_key, timeout_s=settings.request_timeout_s,

@@ -128,6 +128,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--route-affinity-weight", type=float, default=None, metavar="W",
                    help="routing: bonus of the engine a prompt's distinctive part hashes to "
                         "(default: {default})")
+    p.add_argument("--route-balance-weight", type=float, default=None, metavar="W",
+                   help="routing (gateway): pull toward the engines sent less than their share "
+                        "of the gateway's recent requests; 0 turns it off (default: {default})")
     p.add_argument("--engine-poll-interval", type=float, default=None, dest="engine_poll_interval_s",
                    metavar="SECONDS", help="seconds between reads of each engine's /metrics "
                                            "(default: {default})")
@@ -221,6 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
             engine_poll_busy_interval_s=args.engine_poll_busy_interval_s,
             route_load_weight=args.route_load_weight, route_max_imbalance=args.route_max_imbalance,
             route_affinity_weight=args.route_affinity_weight,
+            route_balance_weight=args.route_balance_weight,
             discover_dns=args.discover_dns, discover_interval_s=args.discover_interval_s,
             dns_server=args.dns_server, discover_k8s_selector=args.discover_k8s_selector,
             discover_k8s_namespace=args.discover_k8s_namespace,

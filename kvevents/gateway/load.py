@@ -24,7 +24,9 @@ idle interval, so the fast cadence never makes a slow engine look unreachable so
 :class:`~kvevents.routing.EngineLoad`: ``running`` = ours in flight now, ``waiting`` =
 the others' plus our uncomputed prompt tokens in request units
 (``prefill_tokens_per_request``), so a few long prefills weigh as much as many short
-ones. ``kv_usage`` is the engine's.
+ones. ``kv_usage`` is the engine's. :meth:`EngineLoads.shares`: the fraction of this
+gateway's recent requests it sent to each engine, which the policy's balance term
+evens out (requests per engine, not time in flight).
 
 Health: a refused connection (to a poll or a request), or two failed polls in a row,
 mark the engine *unreachable* until a poll succeeds again; the gateway does not choose it
@@ -52,6 +54,11 @@ log = logging.getLogger(__name__)
 #: only this gateway's requests older than this (measured on vLLM 0.32 CPU engines:
 #: 0.1-0.2 s; on a GPU less, and then a request counts as another's a little too long).
 SETTLE_S = 0.15
+
+#: How many of this gateway's latest requests its per-engine shares weigh (an
+#: exponential decay of ``1 - 1 / SHARE_WINDOW`` per request sent anywhere): long enough
+#: to even out a workload's sessions, short enough to follow an engine that joins.
+SHARE_WINDOW = 32
 
 #: What a poll asks for: the three gauges only, by the Prometheus client's ``name[]``
 #: filter. vLLM serves it under ``/metrics/`` (its ``/metrics`` route ignores the filter
@@ -112,6 +119,7 @@ class TargetLoad:
     predicted_cached: int = 0
     reported_cached: int = 0
     usage_reports: int = 0
+    sent: float = 0.0  # this gateway's requests sent here, decayed per request (see shares)
 
 
 class EngineLoads:
@@ -132,7 +140,12 @@ class EngineLoads:
     def of(self, engine: str) -> TargetLoad:
         t = self.targets.get(engine)
         if t is None:
-            t = self.targets[engine] = TargetLoad()
+            # A new engine starts at the others' mean (the first at a full window), as if
+            # the history were even: the shares of a young gateway, or of an engine just
+            # discovered, do not swing on their first few requests.
+            sent = [o.sent for o in self.targets.values()]
+            t = self.targets[engine] = TargetLoad(
+                sent=sum(sent) / len(sent) if sent else float(SHARE_WINDOW))
         return t
 
     def forget(self, keep: set[str]) -> None:
@@ -142,6 +155,8 @@ class EngineLoads:
 
     def started(self, engine: str, prefill_tokens: int) -> None:
         t = self.of(engine)
+        self._decay_sent()
+        t.sent += 1.0
         t.inflight += 1
         t.prefill_tokens += prefill_tokens
         now = self._last_activity = time.monotonic()
@@ -161,6 +176,23 @@ class EngineLoads:
         t = self.of(engine)
         t.reachable = False
         t.last_error = why
+
+    def _decay_sent(self) -> None:
+        keep = 1.0 - 1.0 / SHARE_WINDOW
+        for o in self.targets.values():
+            o.sent *= keep
+
+    def shares(self, engines: list[str]) -> dict[str, float]:
+        """Each engine's fraction of this gateway's recent requests among ``engines``
+        (about the last :data:`SHARE_WINDOW`, the newest weighing most, over a prior of
+        even shares: see :meth:`of`). Each replica behind a Service gets an even part of
+        the traffic, so replicas that each even out their own shares even out the
+        fleet's without talking to each other."""
+        sent = [self.of(n).sent for n in engines]
+        total = sum(sent)
+        if total <= 0:  # not with the prior of ``of``; a guard against dividing by 0
+            return dict.fromkeys(engines, 1.0 / max(1, len(engines)))
+        return {n: x / total for n, x in zip(engines, sent)}
 
     def load(self, engine: str) -> EngineLoad:
         t = self.of(engine)

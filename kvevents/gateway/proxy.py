@@ -243,7 +243,8 @@ class Gateway:
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
         flying = {} if arr is None else self.flights.matches(arr, names)
-        candidates = [Candidate(n, self.loads.load(n), flying.get(n, 0)) for n in names]
+        shares = self.loads.shares(names)
+        candidates = [Candidate(n, self.loads.load(n), flying.get(n, 0), shares[n]) for n in names]
         decision = await self.router.choose(ids, model, None, candidates)
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:

@@ -10,6 +10,7 @@ KV-aware scoring, per candidate::
     cache = (w_GPU * gpu_run + w_CPU * (any_tier_run - gpu_run)) / prompt_tokens
     load  = waiting + running + kv_weight * kv_usage
     score = cache - load_weight * load / (max_load + 1) + affinity_weight * [affine]
+            - balance_weight * (recent_share - 1 / candidates)
 
 ``gpu_run`` is the leading prefix the engine holds on the GPU; blocks past it that are
 cached on the CPU tier still save prefill but cost a load, hence the lower CPU weight.
@@ -21,9 +22,14 @@ The load guard: a candidate more than ``max_imbalance`` requests busier than the
 loaded one is not eligible (unless none is), so a hot prefix cannot pile every request
 onto one engine. ``affine`` marks the engine the prompt's distinctive part (the tokens
 after what every engine caches) hashes to: a conversation keeps going back to the same
-engine, which keeps per-engine reuse distances short. Ties (scores within ``1e-9``) are broken by a hash of the prompt's
-first tokens and the engine name: deterministic for a given prompt, spread over
-engines across prompts.
+engine, which keeps per-engine reuse distances short. ``recent_share`` (a gateway's, when
+it tracks one: the fraction of its latest requests it sent to the candidate) evens out
+the request counts that cache stickiness alone leaves uneven: a system prompt shared by
+many conversations would keep them all on the engine that cached it first; an engine
+short of its share wins the prompts where it trails by little in cache (a new
+conversation, whose shared part it then caches too). Ties (scores within ``1e-9``) are
+broken by a hash of the prompt's first tokens and the engine name: deterministic for a
+given prompt, spread over engines across prompts.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvevents.defaults import ROUTE_AFFINITY_WEIGHT, ROUTE_LOAD_WEIGHT, ROUTE_MAX_IMBALANCE
+from kvevents.defaults import (ROUTE_AFFINITY_WEIGHT, ROUTE_BALANCE_WEIGHT, ROUTE_LOAD_WEIGHT,
+                               ROUTE_MAX_IMBALANCE)
 from kvevents.index import LookupResult
 
 _TIE_EPS = 1e-9
@@ -67,6 +74,8 @@ class Candidate:
     engine: str
     load: EngineLoad = field(default_factory=EngineLoad)
     inflight_tokens: int = 0  # leading prompt tokens in flight there (see the module docstring)
+    # Fraction of its recent requests the router sent there (None: not tracked).
+    recent_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -99,12 +108,15 @@ class KVRouterConfig:
     kv_weight: float = 1.0
     max_imbalance: float = ROUTE_MAX_IMBALANCE  # requests
     affinity_weight: float = ROUTE_AFFINITY_WEIGHT
+    balance_weight: float = ROUTE_BALANCE_WEIGHT
 
     def __post_init__(self) -> None:
         if any(w < 0 for w in self.tier_weights.values()):
             raise ValueError("tier weights must be >= 0")
-        if min(self.load_weight, self.kv_weight, self.max_imbalance, self.affinity_weight) < 0:
-            raise ValueError("load_weight, kv_weight, max_imbalance, affinity_weight must be >= 0")
+        if min(self.load_weight, self.kv_weight, self.max_imbalance, self.affinity_weight,
+               self.balance_weight) < 0:
+            raise ValueError("load_weight, kv_weight, max_imbalance, affinity_weight, balance_weight "
+                             "must be >= 0")
 
 
 def _load_of(c: Candidate, kv_weight: float) -> float:
@@ -155,6 +167,8 @@ class KVAwarePolicy:
             score = cache - cfg.load_weight * load / (max_load + 1)
             if c.engine == affinity:
                 score += cfg.affinity_weight
+            if c.recent_share is not None:
+                score -= cfg.balance_weight * (c.recent_share - 1.0 / len(candidates))
             eligible = load - min_load <= cfg.max_imbalance and c.engine not in down
             scores.append(EngineScore(c.engine, score, cache, load, total, tiers, eligible))
         up = [s for s in scores if s.engine not in down] or scores
@@ -162,7 +176,8 @@ class KVAwarePolicy:
         best_score = max(s.score for s in pool)
         tied = [s for s in pool if best_score - s.score <= _TIE_EPS]
         best = min(tied, key=lambda s: _tie_key(token_ids, s.engine)) if len(tied) > 1 else tied[0]
-        reason = self._reason(best, up, pool, tied, n)
+        shares = {c.engine: c.recent_share for c in candidates if c.recent_share is not None}
+        reason = self._reason(best, up, pool, tied, n, shares if cfg.balance_weight else {})
         if best.engine not in down and any(s.engine in down for s in scores):
             reason += f"; skipped down: {', '.join(sorted(s.engine for s in scores if s.engine in down))}"
         scores.sort(key=lambda s: -s.score)
@@ -191,12 +206,22 @@ class KVAwarePolicy:
 
     @staticmethod
     def _reason(best: EngineScore, scores: list[EngineScore], pool: list[EngineScore],
-                tied: list[EngineScore], n: int) -> str:
+                tied: list[EngineScore], n: int, shares: dict[str, float]) -> str:
         top_cache = max(scores, key=lambda s: s.cache_score)
         if not top_cache.eligible and top_cache.cache_score > best.cache_score:
             return (f"load guard: {top_cache.engine} caches more ({top_cache.matched_tokens} tokens) "
                     f"but is {top_cache.load - min(s.load for s in scores):g} requests busier than "
                     f"the least loaded; chose {best.engine}")
+        if top_cache.cache_score > best.cache_score:  # passed over by load, balance or affinity
+            why = []
+            if top_cache.load != best.load:
+                why.append(f"load {top_cache.load:g} against {best.load:g}")
+            top_share, best_share = shares.get(top_cache.engine), shares.get(best.engine)
+            if top_share is not None and best_share is not None and top_share != best_share:
+                why.append(f"{top_share:.0%} of the recent requests against {best_share:.0%}")
+            return (f"{top_cache.engine} caches more ({top_cache.matched_tokens} tokens against "
+                    f"{best.matched_tokens}) but scores lower ({'; '.join(why) or 'affinity'}); "
+                    f"chose {best.engine}")
         if best.matched_tokens == 0:
             why = "no engine caches a prefix of this prompt: least loaded"
         else:

@@ -40,8 +40,8 @@ from pydantic import AliasChoices, Field, InstanceOf, ValidationError, field_val
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvevents.defaults import (DEFAULT_PORT, ROUTE_AFFINITY_WEIGHT, ROUTE_LOAD_WEIGHT,
-                               ROUTE_MAX_IMBALANCE)
+from kvevents.defaults import (DEFAULT_PORT, ROUTE_AFFINITY_WEIGHT, ROUTE_BALANCE_WEIGHT,
+                               ROUTE_LOAD_WEIGHT, ROUTE_MAX_IMBALANCE)
 # EngineSpec (and its deprecated alias PodSpec) lives in kvevents.engines; re-exported
 # here, where 0.1.0 defined it, with the name pattern.
 from kvevents.engines.spec import ENGINE_NAME_PATTERN, EngineSpec, PodSpec  # noqa: F401
@@ -229,6 +229,11 @@ class AggregatorSettings(BaseSettings):
         ROUTE_AFFINITY_WEIGHT, ge=0,
         description="routing: bonus of the engine a prompt's distinctive part hashes to (keeps "
                     "a conversation on one engine)")
+    route_balance_weight: float = Field(
+        ROUTE_BALANCE_WEIGHT, ge=0,
+        description="routing (gateway): pull toward the engines the gateway sent less than "
+                    "their share of its recent requests (evens out requests per engine, across "
+                    "replicas too); 0: off")
     engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
                                                                  "engine's /metrics (its load)")
     engine_poll_busy_interval_s: float = Field(
