@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zmq  # noqa: E402
 
 import kvevents  # noqa: E402
-from common import machine, median, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
+from common import cpu_seconds, machine, median, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
 from dynamo_side import engine_name, worker_id  # noqa: E402
 from kvevents.demo.fleet import free_port  # noqa: E402
 from kvevents.wire.framing import pack_seq  # noqa: E402
@@ -168,13 +168,6 @@ class _Dynamo:
         return {engine_name(int(w)): max(d.values()) // BS for w, d in r["scores"].items() if max(d.values())}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far, all its threads."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _until_done(side, port: int, t0: float, every: float, timeout: float) -> tuple[bool, float, float]:
     """Poll ``side.done`` every ``every`` s (each poll costs the consumer a little, so not
     too often). Completion happened between the start of the last poll that said "not
@@ -215,17 +208,17 @@ def run_side(side, a, paths: dict, meta: dict, groups: list[list[str]], check_pr
         if not _wait(lambda: side.ready(port), 120):
             raise RuntimeError(f"{side.name} never became ready (see {log.name})")
         time.sleep(1.0)  # let the SUB subscriptions reach every publisher
-        cpu0 = _cpu_seconds(server.pid)
-        pub0 = sum(_cpu_seconds(p.pid) for p in procs)
+        cpu0 = cpu_seconds(server.pid)
+        pub0 = sum(cpu_seconds(p.pid) for p in procs)
         t0 = time.perf_counter()
         go.set()
         ok, elapsed, resolution = _until_done(side, port, t0, a.poll, a.timeout)
         # CPU the consumer spent (all its threads) until it was seen done: the cost per
         # event, which the shared 2-core machine's noise distorts less than wall time.
-        out["consumer_cpu_s"] = round(_cpu_seconds(server.pid) - cpu0, 3)
+        out["consumer_cpu_s"] = round(cpu_seconds(server.pid) - cpu0, 3)
         # The publishers' share of the same 2 cores (the same for both sides): with it,
         # what the consumer's CPU can still win in wall time.
-        out["publishers_cpu_s"] = round(sum(_cpu_seconds(p.pid) for p in procs) - pub0, 3)
+        out["publishers_cpu_s"] = round(sum(cpu_seconds(p.pid) for p in procs) - pub0, 3)
         out.update(side.report(port))
         out["completed"] = ok
         out["seconds"] = round(elapsed, 3)

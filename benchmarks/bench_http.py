@@ -54,7 +54,7 @@ import httpx  # noqa: E402
 import zmq  # noqa: E402
 
 import kvevents  # noqa: E402
-from common import (gil_hold_window, gil_holds, machine, median, percentile, print_table,  # noqa: E402
+from common import (cpu_seconds, gil_hold_window, gil_holds, machine, median, percentile, print_table,  # noqa: E402
                     rerun_in_loopback_netns, write_json)
 from dynamo_side import worker_id  # noqa: E402
 from kvevents.demo.fleet import free_port  # noqa: E402
@@ -209,13 +209,6 @@ def _poster(kind: str, client: httpx.Client, port: int, path: str):
     return post_stdlib
 
 
-def _cpu_seconds(pid: int) -> float:
-    """The CPU time (user + system, every thread) process ``pid`` has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _wakeup_probe(stop, result) -> None:
     """Sleep 1 ms at a time until ``stop``; put (wake-ups, > 1 ms late, > 2 ms late)."""
     n = late1 = late2 = 0
@@ -273,7 +266,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
                 post(b)
             probe.start()
             holds0 = gil_holds(client.get("/metrics").text)
-            cpu0 = _cpu_seconds(server.pid)
+            cpu0 = cpu_seconds(server.pid)
             applied0, sent0, w0 = side.applied(client), sent.value, time.perf_counter()
             lat, matched = [], []
             for i in range(args.requests):
@@ -285,7 +278,7 @@ def run_side(side, args, paths: dict, meta: dict, prompts: dict) -> dict:
                     raise RuntimeError(f"{side.name} lookup answered {status}: {text[:200]!r}")
                 matched.append(side.best_match(json.loads(text)))
             window = time.perf_counter() - w0
-            cpu = _cpu_seconds(server.pid) - cpu0
+            cpu = cpu_seconds(server.pid) - cpu0
             applied1, sent1 = side.applied(client), sent.value
             holds = gil_hold_window(holds0, gil_holds(client.get("/metrics").text))
             probe_stop.set()

@@ -54,7 +54,7 @@ from kvevents.gateway.answers import expected_cached  # noqa: E402
 from kvevents.gateway.inflight import InflightPrompts  # noqa: E402
 from kvevents.gateway.load import EngineLoads  # noqa: E402
 from kvevents.index import EngineMatch, LookupResult  # noqa: E402
-from kvevents.routing import Candidate, KVAwarePolicy, KVRouterConfig  # noqa: E402
+from kvevents.routing import KVAwarePolicy, KVRouterConfig  # noqa: E402
 
 FRONT_LAG_S = 0.15  # at most, from routing to the engine's queue
 
@@ -69,9 +69,7 @@ class Replica:
         self.engines = engines
 
     def route(self, ids: np.ndarray, lookup: LookupResult) -> tuple[str, int, tuple]:
-        flying = self.flights.matches(ids, self.engines)
-        shares = self.loads.shares(self.engines)
-        candidates = [Candidate(n, self.loads.load(n), flying.get(n, 0), shares[n]) for n in self.engines]
+        candidates = self.loads.candidates(self.engines, self.flights.matches(ids, self.engines))
         d = self.policy.choose(ids.tolist(), lookup, candidates)
         prefill = max(0, len(ids) - expected_cached(d, len(ids)))
         self.loads.started(d.engine, prefill)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvevents.routing import EngineLoad
+from kvevents.routing import Candidate, EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +189,15 @@ class EngineLoads:
         the traffic, so replicas that each even out their own shares even out the
         fleet's without talking to each other."""
         sent = [self.of(n).sent for n in engines]
-        total = sum(sent)
-        if total <= 0:  # not with the prior of ``of``; a guard against dividing by 0
-            return dict.fromkeys(engines, 1.0 / max(1, len(engines)))
+        total = sum(sent)  # > 0: every engine starts above 0 (see ``of``)
         return {n: x / total for n, x in zip(engines, sent)}
+
+    def candidates(self, engines: list[str], inflight_tokens: dict[str, int]) -> list[Candidate]:
+        """The policy's candidates as this gateway knows them: each engine's load, its
+        share of the recent requests, and the tokens of the prompt in flight there
+        (``inflight_tokens``, from :class:`~kvevents.gateway.inflight.InflightPrompts`)."""
+        shares = self.shares(engines)
+        return [Candidate(n, self.load(n), inflight_tokens.get(n, 0), shares[n]) for n in engines]
 
     def load(self, engine: str) -> EngineLoad:
         t = self.of(engine)

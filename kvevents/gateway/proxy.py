@@ -48,7 +48,7 @@ from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
 from kvevents.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamPool,
                                        UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
-from kvevents.routing import Candidate, RouteDecision, Router
+from kvevents.routing import RouteDecision, Router
 from kvevents.text import TokenizerRegistry
 
 log = logging.getLogger(__name__)
@@ -243,9 +243,7 @@ class Gateway:
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
         flying = {} if arr is None else self.flights.matches(arr, names)
-        shares = self.loads.shares(names)
-        candidates = [Candidate(n, self.loads.load(n), flying.get(n, 0), shares[n]) for n in names]
-        decision = await self.router.choose(ids, model, None, candidates)
+        decision = await self.router.choose(ids, model, None, self.loads.candidates(names, flying))
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:
             # A conversation stays where its history is unless that engine is overloaded

@@ -176,8 +176,9 @@ class KVAwarePolicy:
         best_score = max(s.score for s in pool)
         tied = [s for s in pool if best_score - s.score <= _TIE_EPS]
         best = min(tied, key=lambda s: _tie_key(token_ids, s.engine)) if len(tied) > 1 else tied[0]
-        shares = {c.engine: c.recent_share for c in candidates if c.recent_share is not None}
-        reason = self._reason(best, up, pool, tied, n, shares if cfg.balance_weight else {})
+        shares = {c.engine: c.recent_share for c in candidates
+                  if c.recent_share is not None} if cfg.balance_weight else {}
+        reason = self._reason(best, up, pool, tied, n, shares)
         if best.engine not in down and any(s.engine in down for s in scores):
             reason += f"; skipped down: {', '.join(sorted(s.engine for s in scores if s.engine in down))}"
         scores.sort(key=lambda s: -s.score)
