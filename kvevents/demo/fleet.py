@@ -9,12 +9,14 @@ after a grace period): no orphans.
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,10 @@ import zmq
 
 # Ports are drawn from [_LOW_PORT, start of the kernel's ephemeral range).
 _LOW_PORT = 20000
+# The ports this process handed out lately: each is free when drawn but bound only later
+# (by a child), so a second draw could return it again; a fleet of two engines draws 11.
+_ISSUED: collections.deque[int] = collections.deque(maxlen=1024)
+_ISSUED_LOCK = threading.Lock()
 
 
 def _ephemeral_start() -> int:
@@ -43,22 +49,29 @@ def free_port() -> int:
     starts in 10-70 s), and meanwhile every outgoing connection, among them the
     aggregator's and the demo's own reconnecting to the engines still starting, takes
     a source port from the ephemeral range. One landed on an engine's chosen port in
-    CI and the engine failed to bind ("Address already in use"). Falls back to a port
-    the kernel picks when the range below is unusable or full."""
+    CI and the engine failed to bind ("Address already in use"). A port this process
+    handed out lately is not handed out again (it may not be bound yet). Falls back to
+    a port the kernel picks when the range below is unusable or full."""
     top = _ephemeral_start()
-    if top - _LOW_PORT >= 1000:
-        rng = random.Random()
-        for _ in range(100):
-            port = rng.randrange(_LOW_PORT, top)
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
+    with _ISSUED_LOCK:
+        if top - _LOW_PORT >= 1000:
+            rng = random.Random()
+            for _ in range(100):
+                port = rng.randrange(_LOW_PORT, top)
+                if port in _ISSUED:
                     continue
+                with socket.socket() as s:
+                    try:
+                        s.bind(("127.0.0.1", port))
+                    except OSError:
+                        continue
+                _ISSUED.append(port)
                 return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        _ISSUED.append(port)
+        return port
 
 
 @dataclass(frozen=True)
@@ -195,8 +208,14 @@ class Fleet:
     def check_alive(self) -> None:
         for name, p in self.procs.items():
             if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {p.returncode}; "
-                                   f"see {os.path.join(self.log_dir, name + '.log')}")
+                path = os.path.join(self.log_dir, name + ".log")
+                try:  # the log's last lines: a test's temporary log dir is gone afterwards
+                    with open(path, errors="replace") as f:
+                        tail = "".join(f.readlines()[-8:]).strip()
+                except OSError:
+                    tail = ""
+                raise RuntimeError(f"{name} exited with status {p.returncode}; see {path}"
+                                   + (f":\n{tail}" if tail else ""))
 
     def wait_engines_ready(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
