@@ -20,7 +20,10 @@ everything, asked its own way:
 
 Polls come every ``--poll`` s (50 ms: polling every 10 ms took ~20% off our server's
 rate); the time reported is the midpoint between the last "not yet" and the first
-"done", with half that interval as its resolution.
+"done", with half that interval as its resolution. Each publisher also reports when it
+handed its last message to ZeroMQ (``perf_counter``, CLOCK_MONOTONIC, one clock for all
+the processes): the table's "last publish / done" column shows how long each consumer
+went on after the publishers had stopped competing for the 2 cores.
 
 Then both are asked for the lookup prompts over HTTP and checked against the truth.
 
@@ -55,7 +58,8 @@ _APPLIED = re.compile(r'^dynamo_kvrouter_kv_cache_events_applied\{event_type="(\
 
 
 def _publisher(trace: str, engines: list[str], ready, go, stop) -> None:
-    """Bind one PUB per engine, report ports, replay on ``go``, linger until ``stop``."""
+    """Bind one PUB per engine, report ports, replay on ``go``, report when the last
+    message was handed to ZeroMQ, linger until ``stop``."""
     mine = set(engines)
     records = [(engine, payload) for engine, payload in read(trace) if engine in mine]
     ctx = zmq.Context()
@@ -71,6 +75,7 @@ def _publisher(trace: str, engines: list[str], ready, go, stop) -> None:
     for engine, payload in records:
         socks[engine].send_multipart((b"", pack_seq(seq[engine]), payload), copy=False)
         seq[engine] += 1
+    ready.put(("sent", time.perf_counter()))
     stop.wait(900)
     for s in socks.values():
         s.close(linger=0)
@@ -213,6 +218,10 @@ def run_side(side, a, paths: dict, meta: dict, groups: list[list[str]], check_pr
         t0 = time.perf_counter()
         go.set()
         ok, elapsed, resolution = _until_done(side, port, t0, a.poll, a.timeout)
+        # When the last publisher had sent its last message: what the consumer took
+        # after it (a backlog applied alone, the publishers' CPU free) shows in the table.
+        sent = [ready_q.get(timeout=60)[1] - t0 for _ in procs]
+        out["publishers_done_s"] = round(max(sent), 3)
         # CPU the consumer spent (all its threads) until it was seen done: the cost per
         # event, which the shared 2-core machine's noise distorts less than wall time.
         out["consumer_cpu_s"] = round(cpu_seconds(server.pid) - cpu0, 3)
@@ -278,11 +287,14 @@ def inner(a) -> None:
     print(f"\n{cfg.engines} engines x {cfg.capacity:,} blocks, {a.publishers} publishers -> one consumer "
           f"(dynamo.indexer --threads {a.dynamo_threads})")
     print_table(["run", "ours block events/s", "dynamo block events/s", "ratio", "ours CPU s",
-                 "dynamo CPU s", "publishers CPU s (ours/dynamo)", "ours wrong", "dynamo wrong",
+                 "dynamo CPU s", "publishers CPU s (ours/dynamo)",
+                 "last publish / done s (ours; dynamo)", "ours wrong", "dynamo wrong",
                  "ours lost", "dynamo not ok"],
                 [[i, f"{r['ours']['block_events_per_s']:,}", f"{r['dynamo']['block_events_per_s']:,}",
                   r["ratio"], r["ours"].get("consumer_cpu_s"), r["dynamo"].get("consumer_cpu_s"),
                   f"{r['ours'].get('publishers_cpu_s')}/{r['dynamo'].get('publishers_cpu_s')}",
+                  f"{r['ours'].get('publishers_done_s')}/{r['ours'].get('seconds')}; "
+                  f"{r['dynamo'].get('publishers_done_s')}/{r['dynamo'].get('seconds')}",
                   r["ours"]["lookups_wrong_vs_truth"], r["dynamo"]["lookups_wrong_vs_truth"],
                   r["ours"].get("lost_batches"), r["dynamo"].get("not_ok")] for i, r in enumerate(runs)])
     cpu = {s: median([r[s].get("consumer_cpu_s") or 0 for r in runs]) for s in ("ours", "dynamo")}

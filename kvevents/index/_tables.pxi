@@ -32,7 +32,7 @@ cdef extern from *:
     unsigned long long kv_fastrange(unsigned long long h, unsigned long long n) nogil
 
 
-cdef inline uint64_t mix64(uint64_t x) nogil:
+cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
     """splitmix64's finaliser: a bijection with full avalanche."""
     x ^= x >> 30
     x *= <uint64_t>0xBF58476D1CE4E5B9ULL
@@ -57,9 +57,9 @@ cdef int table_init(Table* t, uint64_t cap) except -1 nogil:
     if t.b == NULL:
         with gil:
             raise MemoryError()
-    cdef uint64_t i
-    for i in range(c):
-        t.b[i].val = -1
+    # Every byte 0xFF: each bucket's value is -1 (empty), in one pass the compiler
+    # vectorizes (a store per 12-byte bucket was a sixth of the cost of growing a table).
+    memset(t.b, 0xFF, c * sizeof(Bucket))
     t.cap = c
     t.n = 0
     return 0

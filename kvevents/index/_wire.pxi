@@ -252,6 +252,52 @@ cdef extern from *:
     uint32_t kv_be32(const uint8_t* p) nogil
     uint32_t kv_be16(const uint8_t* p) nogil
 
+cdef extern from *:
+    """
+    #if defined(__x86_64__) && defined(__GNUC__)
+    #include <immintrin.h>
+    /* Runs of msgpack uint16 ints (0xCD hi lo: every token id of a vocabulary under 65,536)
+       five at a time: one 16-byte load, the five tag bytes checked at once, the ten value
+       bytes shuffled into little-endian lanes and widened to 64 bits. Returns how many
+       were read (a multiple of 5): it stops before the first five that are not all 0xCD,
+       before `n`, or when fewer than 16 bytes remain (the load reads one past the five). */
+    __attribute__((target("sse4.1")))
+    static int64_t kv_u16_run_sse41(const unsigned char* p, Py_ssize_t avail, int64_t n,
+                                    unsigned long long* out) {
+        const __m128i tags = _mm_setr_epi8(0, 3, 6, 9, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        const __m128i want = _mm_setr_epi8((char)0xCD, (char)0xCD, (char)0xCD, (char)0xCD, (char)0xCD,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        const __m128i vals = _mm_setr_epi8(2, 1, 5, 4, 8, 7, 11, 10, 14, 13, -1, -1, -1, -1, -1, -1);
+        int64_t i = 0;
+        while (i + 5 <= n && avail >= 16) {
+            __m128i v = _mm_loadu_si128((const __m128i*)p);
+            if (_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_shuffle_epi8(v, tags), want)) != 0xFFFF)
+                break;
+            __m128i w = _mm_shuffle_epi8(v, vals);
+            _mm_storeu_si128((__m128i*)(out + i), _mm_cvtepu16_epi64(w));
+            _mm_storeu_si128((__m128i*)(out + i + 2), _mm_cvtepu16_epi64(_mm_srli_si128(w, 4)));
+            out[i + 4] = (unsigned long long)(unsigned)_mm_extract_epi16(w, 4);
+            i += 5;
+            p += 15;
+            avail -= 15;
+        }
+        return i;
+    }
+    static int kv_has_sse41 = -1;
+    static inline int64_t kv_u16_run(const unsigned char* p, Py_ssize_t avail, int64_t n,
+                                     unsigned long long* out) {
+        if (kv_has_sse41 < 0)
+            kv_has_sse41 = __builtin_cpu_supports("sse4.1") ? 1 : 0;
+        return kv_has_sse41 ? kv_u16_run_sse41(p, avail, n, out) : 0;
+    }
+    #else
+    static inline int64_t kv_u16_run(const unsigned char* p, Py_ssize_t avail, int64_t n,
+                                     unsigned long long* out) { return 0; }
+    #endif
+    """
+    int64_t kv_u16_run(const uint8_t* p, Py_ssize_t avail, int64_t n, uint64_t* out) nogil
+
+
 DEF INTS_NEG = 1        # _w_ints flags: some int is negative
 DEF INTS_ABOVE_I64 = 2  # some int is a uint64 above the int64 range
 
@@ -263,13 +309,21 @@ cdef inline Py_ssize_t _w_ints(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end,
     for negatives) go to ``out`` when it is not NULL; ``flags`` gets INTS_NEG and
     INTS_ABOVE_I64 or'ed in. Why: these arrays (token ids, block hashes) are nearly every
     byte of a batch, and each is walked at least twice (scan, then apply); one branch per
-    element with a single load beats the general ``_w_int``."""
+    element with a single load beats the general ``_w_int``, and a run of uint16 ints
+    (token ids) read five at a time (``kv_u16_run``) beats one branch each."""
     cdef uint8_t b
     cdef uint64_t v
-    cdef int64_t i
+    cdef int64_t i = 0, run
     cdef int k, fl = 0
     cdef bint neg
-    for i in range(n):
+    while i < n:
+        if out != NULL and pos + 16 <= end and p[pos] == 0xCD:
+            # A run of uint16 ints (token ids): five at a time where the CPU can.
+            run = kv_u16_run(p + pos, end - pos, n - i, out + i)
+            if run:
+                i += run
+                pos += 3 * run
+                continue
         if pos + 9 > end:  # the last few bytes: the bounds-checked reader
             pos = _w_int(p, pos, end, &v, &neg)
             if pos < 0:
@@ -318,6 +372,7 @@ cdef inline Py_ssize_t _w_ints(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end,
                 return -1
         if out != NULL:
             out[i] = v
+        i += 1
     flags[0] |= fl
     return pos
 

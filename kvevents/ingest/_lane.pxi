@@ -40,20 +40,42 @@ cdef inline uint64_t _mix(uint64_t h) noexcept nogil:
 
 
 cdef uint64_t payload_digest(const uint8_t* p, Py_ssize_t n) noexcept nogil:
-    """A 64-bit digest of a payload, 8 bytes a step: tells a replayed batch from another
-    one by accident, not against forgery (continuity checks only)."""
-    cdef uint64_t h = 0x9E3779B97F4A7C15ULL ^ <uint64_t>n
-    cdef uint64_t w
+    """A 64-bit digest of a payload: tells a replayed batch from another one by accident,
+    not against forgery (continuity checks only). Four independent multiply-xorshift
+    lanes, 32 bytes a step, folded at the end: a single lane is one long chain of
+    dependent multiplies (it was ~5% of the ingest thread); four keep the multiplier busy."""
+    cdef uint64_t a = 0x9E3779B97F4A7C15ULL ^ <uint64_t>n
+    cdef uint64_t b = 0xC2B2AE3D27D4EB4FULL
+    cdef uint64_t c = 0x165667B19E3779F9ULL
+    cdef uint64_t d = 0x27D4EB2F165667C5ULL
+    cdef uint64_t w0, w1, w2, w3
     cdef Py_ssize_t i = 0
+    while i + 32 <= n:
+        memcpy(&w0, p + i, 8)
+        memcpy(&w1, p + i + 8, 8)
+        memcpy(&w2, p + i + 16, 8)
+        memcpy(&w3, p + i + 24, 8)
+        a = (a ^ w0) * 0xBF58476D1CE4E5B9ULL
+        b = (b ^ w1) * 0xBF58476D1CE4E5B9ULL
+        c = (c ^ w2) * 0xBF58476D1CE4E5B9ULL
+        d = (d ^ w3) * 0xBF58476D1CE4E5B9ULL
+        a ^= a >> 31
+        b ^= b >> 31
+        c ^= c >> 31
+        d ^= d >> 31
+        i += 32
+    # Fold the lanes in order (a lane's position matters: swapping two 8-byte words of
+    # a step changes the digest), then the tail 8 bytes a step as before.
+    cdef uint64_t h = _mix(a) ^ (_mix(b) * 3) ^ (_mix(c) * 5) ^ (_mix(d) * 7)
     while i + 8 <= n:
-        memcpy(&w, p + i, 8)
-        h = (h ^ w) * 0xBF58476D1CE4E5B9ULL
+        memcpy(&w0, p + i, 8)
+        h = (h ^ w0) * 0xBF58476D1CE4E5B9ULL
         h ^= h >> 31
         i += 8
     if i < n:
-        w = 0
-        memcpy(&w, p + i, n - i)
-        h = (h ^ w ^ (<uint64_t>(n - i) << 56)) * 0x94D049BB133111EBULL
+        w0 = 0
+        memcpy(&w0, p + i, n - i)
+        h = (h ^ w0 ^ (<uint64_t>(n - i) << 56)) * 0x94D049BB133111EBULL
     return _mix(h)
 
 

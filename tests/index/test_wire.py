@@ -383,3 +383,33 @@ def test_every_int_encoding_reads_alike():
         assert len(wire.engine_hashes("e0")["GPU"]) == len(fmts) + (0 if at_end else 1)
     above = _hand_event([(1, 0)], [(1, 0)] * (BS - 1) + [(2**63, 0xCF)])
     assert scan(b"\x92" + PACK.encode(1.0) + b"\x91" + above) is None
+
+
+def test_runs_of_uint16_tokens_read_alike():
+    """Token ids of a vocabulary under 65,536 are runs of msgpack uint16 (0xCD), which the
+    reader takes five at a time where the CPU can: runs of every length up to 23, broken
+    by each other format at every offset, the whole range of values (0x0100, 0x8000,
+    0xFFFF), and the array both in the middle of a payload and at its very end (where
+    fewer than 16 bytes remain): the wire path reads what the general one does."""
+    rng = random.Random(11)
+    breakers = [(5, 0), (200, 0xCC), (3_000_000_000, 0xCE), (40_000, 0xCE), (-7, 0), (2**40, 0xCF)]
+    edge = [0x0100, 0x8000, 0xFFFF, 0x7FFF, 0x80FF]
+    for run in range(24):
+        for breaker in breakers:
+            toks: list[tuple[int, int]] = []
+            while len(toks) < 3 * BS * 8:
+                toks += [(rng.choice(edge) if rng.random() < 0.3 else rng.randrange(256, 65536), 0xCD)
+                         for _ in range(run)]
+                toks.append(breaker)
+            toks = toks[:len(toks) - len(toks) % BS]
+            n_blocks = len(toks) // BS
+            hashes = [(run * 10_000 + 100 * breakers.index(breaker) + i + 1, 0xCF) for i in range(n_blocks)]
+            for at_end in (False, True):
+                events = [_hand_event(hashes, toks)] + ([] if at_end else [PACK.encode(_ev(block_hashes=[99]))])
+                payload = b"\x92" + PACK.encode(1.0) + bytes([0x90 | len(events)]) + b"".join(events)
+                wire, general, n_wire = apply_both([("e0", payload)])
+                assert n_wire == 1, (run, breaker, at_end)
+                same_index(wire, general, [[v for v, _ in toks[:BS * k]] for k in (1, n_blocks // 2, n_blocks)])
+                # The whole prompt matches: every token was read as written.
+                hit = wire.lookup([v for v, _ in toks]).engines
+                assert [m.tokens for m in hit] == [len(toks)], (run, breaker, at_end)
