@@ -36,7 +36,7 @@ from common import machine, percentile, print_table, write_json  # noqa: E402
 from dynamo_side import DynamoFeeder, available  # noqa: E402
 from kvevents.index import PrefixIndex  # noqa: E402
 from kvevents.index.wire import IngestDecoder  # noqa: E402
-from kvtrace import BS, MODEL, TraceConfig, expected_blocks, generate, load_truth, read  # noqa: E402
+from kvtrace import BS, MODEL, TraceConfig, add_trace_args, expected_blocks, generate, load_truth, read  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -191,16 +191,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["inproc", "memory", "memory-worker"])
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
-    ap.add_argument("--engines", type=int, default=16)
-    ap.add_argument("--capacity", type=int, default=20_000)
-    ap.add_argument("--steady", type=float, default=0.25)
-    ap.add_argument("--seed", type=int, default=0)
+    add_trace_args(ap)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--lookups", type=int, default=2000, help="timed 2k lookups per side")
     ap.add_argument("--lookups-long", type=int, default=400, help="timed 32k lookups per side")
     ap.add_argument("--skip-apply-only", action="store_true",
                     help="skip Dynamo's apply_event-only rate (converting the trace twice is slow)")
-    ap.add_argument("--workdir", default="/tmp/kvevents-traces")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.mode == "memory-worker":
@@ -210,7 +206,7 @@ def main() -> None:
     if not available():
         sys.exit("ai-dynamo-runtime is not installed in this interpreter (see benchmarks/README.md)")
     print(f"kvevents from {kvevents.__file__}", file=sys.stderr)
-    cfg = TraceConfig(a.engines, a.capacity, a.steady, a.seed)
+    cfg = TraceConfig.from_args(a)
     paths = generate(cfg, a.workdir)
     with open(paths["meta"]) as f:
         meta = json.load(f)

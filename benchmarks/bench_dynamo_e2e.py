@@ -51,7 +51,7 @@ from common import cpu_seconds, machine, median, print_table, rerun_in_loopback_
 from dynamo_side import engine_name, worker_id  # noqa: E402
 from kvevents.demo.fleet import free_port  # noqa: E402
 from kvevents.wire.framing import pack_seq  # noqa: E402
-from kvtrace import BS, TraceConfig, expected_blocks, generate, load_truth, read  # noqa: E402
+from kvtrace import BS, TraceConfig, add_trace_args, expected_blocks, generate, load_truth, read  # noqa: E402
 
 _APPLIED = re.compile(r'^dynamo_kvrouter_kv_cache_events_applied\{event_type="(\w+)",status="(\w+)"\} (\d+)',
                       re.M)
@@ -255,7 +255,7 @@ def run_side(side, a, paths: dict, meta: dict, groups: list[list[str]], check_pr
 
 
 def inner(a) -> None:
-    cfg = TraceConfig(a.engines, a.capacity, a.steady, a.seed)
+    cfg = TraceConfig.from_args(a)
     paths = generate(cfg, a.workdir)
     with open(paths["meta"]) as f:
         meta = json.load(f)
@@ -310,10 +310,7 @@ def inner(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", type=int, default=16)
-    ap.add_argument("--capacity", type=int, default=20_000)
-    ap.add_argument("--steady", type=float, default=0.25)
-    ap.add_argument("--seed", type=int, default=0)
+    add_trace_args(ap)
     ap.add_argument("--publishers", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dynamo-threads", type=int, default=4,
@@ -324,7 +321,6 @@ def main() -> None:
                     help="seconds between completion polls (10 ms polls slowed our server by ~20%%)")
     ap.add_argument("--sides", default="ours,dynamo", help="which consumers to run")
     ap.add_argument("--timeout", type=float, default=600, help="seconds allowed per consumer run")
-    ap.add_argument("--workdir", default="/tmp/kvevents-traces")
     ap.add_argument("--json", default=None)
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -332,7 +328,7 @@ def main() -> None:
         inner(a)
         return
     # Generate (or reuse) the trace outside the namespace, then re-run inside it.
-    generate(TraceConfig(a.engines, a.capacity, a.steady, a.seed), a.workdir)
+    generate(TraceConfig.from_args(a), a.workdir)
     sys.exit(rerun_in_loopback_netns(__file__, sys.argv[1:]))
 
 

@@ -33,9 +33,7 @@ from kvevents.index import PrefixIndex
 from kvevents.index.wire import IngestDecoder
 from kvevents.ingest import _zmqrecv
 from kvevents.wire.framing import pack_seq
-from kvtrace import TraceConfig, generate, read
-
-MODEL = "bench-model"  # the trace's model name (kvtrace.py)
+from kvtrace import MODEL, TraceConfig, add_trace_args, generate, read
 
 
 def replay_once(ctx: zmq.Context, per_engine: dict[str, list[bytes]], tag: str) -> float:
@@ -81,16 +79,12 @@ def replay_once(ctx: zmq.Context, per_engine: dict[str, list[bytes]], tag: str) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", type=int, default=16)
-    ap.add_argument("--capacity", type=int, default=20_000)
-    ap.add_argument("--steady", type=float, default=0.25)
-    ap.add_argument("--seed", type=int, default=0)
+    add_trace_args(ap)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--workdir", default="/tmp/kvevents-traces")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     _zmqrecv.load()
-    paths = generate(TraceConfig(a.engines, a.capacity, a.steady, a.seed), a.workdir)
+    paths = generate(TraceConfig.from_args(a), a.workdir)
     per_engine: dict[str, list[bytes]] = collections.defaultdict(list)
     for engine, payload in read(paths["trace"]):
         per_engine[engine].append(payload)

@@ -70,9 +70,24 @@ class TraceConfig:
     max_events_per_batch: int = 8
     lookup_prompts: int = 64
 
+    @classmethod
+    def from_args(cls, a) -> TraceConfig:
+        """The trace named by the options :func:`add_trace_args` added."""
+        return cls(a.engines, a.capacity, a.steady, a.seed)
+
     def name(self) -> str:
         return (f"trace-p{self.engines}-c{self.capacity}-s{self.steady}-seed{self.seed}"
                 f"-e{self.max_event_blocks}-b{self.max_events_per_batch}-v7")
+
+
+def add_trace_args(ap, workdir: str = "/tmp/kvevents-traces") -> None:
+    """The options that name a trace (``TraceConfig.from_args``) and where it is kept:
+    every script replaying one takes the same ones."""
+    ap.add_argument("--engines", type=int, default=16)
+    ap.add_argument("--capacity", type=int, default=20_000)
+    ap.add_argument("--steady", type=float, default=0.25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=workdir)
 
 
 def block_hash(parent: int, tokens: np.ndarray) -> int:
@@ -399,13 +414,9 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description="generate a realistic KV event trace")
-    ap.add_argument("--engines", type=int, default=16)
-    ap.add_argument("--capacity", type=int, default=20_000)
-    ap.add_argument("--steady", type=float, default=0.25)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default="/tmp/kvevents-traces")
+    add_trace_args(ap)
     a = ap.parse_args()
-    paths = generate(TraceConfig(a.engines, a.capacity, a.steady, a.seed), a.workdir)
+    paths = generate(TraceConfig.from_args(a), a.workdir)
     print(json.dumps(paths))
 
 

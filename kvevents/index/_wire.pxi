@@ -317,7 +317,7 @@ cdef inline Py_ssize_t _w_ints(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end,
     cdef int k, fl = 0
     cdef bint neg
     while i < n:
-        if out != NULL and pos + 16 <= end and p[pos] == 0xCD:
+        if out != NULL and i + 5 <= n and pos + 16 <= end and p[pos] == 0xCD:
             # A run of uint16 ints (token ids): five at a time where the CPU can.
             run = kv_u16_run(p + pos, end - pos, n - i, out + i)
             if run:
