@@ -76,6 +76,31 @@ def test_snapshot_written_before_the_engine_rename_still_loads():
     assert idx.engines() == ["p"] and idx.engine_block_counts("p") == {"GPU": 2}
 
 
+def test_state_keeps_engine_hashes_as_sent_and_its_buckets_load_back():
+    """The engine tables hold mixed hashes in memory (their buckets are those of the raw
+    hashes); a saved state holds the raw hashes, as states of earlier versions do, so
+    states move between versions both ways: the buckets carry exactly the engine's
+    hashes, and a state whose tables are rewritten from those raw hashes loads and
+    finds every one of them."""
+    import msgspec
+    import numpy as np
+
+    idx = PrefixIndex()
+    hashes = [1, 2, 3, 2**64 - 1, 2**63, 12345678901234567]
+    idx.apply_batch("p", KVEventBatch(1.0, [stored(hashes, None, 0)]))
+    doc = msgspec.msgpack.decode(idx.export_state())
+    ((pid, raw),) = doc["core"]["pmaps"]
+    buckets = np.frombuffer(raw, dtype=np.dtype([("key", "<u8"), ("val", "<i4")]))
+    assert sorted(int(k) for k in buckets["key"][buckets["val"] >= 0]) == sorted(hashes)
+    back = PrefixIndex()
+    back.import_state(msgspec.msgpack.encode(doc))
+    assert back.engine_hashes("p") == {"GPU": set(hashes)}
+    for h in hashes:
+        assert [x.engine for x in back.blocks_by_engine_hash(h).holders] == ["p"]
+    back.apply_batch("p", KVEventBatch(2.0, [BlockRemoved(hashes, "GPU")]))
+    assert back.engine_block_counts("p") == {}
+
+
 def test_atomic_write_keeps_one_previous_and_falls_back_to_it(tmp_path):
     first, second = sample_snapshot(), sample_snapshot()
     snapshot.write(tmp_path, snapshot.encode(first))

@@ -250,6 +250,7 @@ cdef class Core:
         self.engine_orig = []
         self.engine_ns = []
         self.last_refusal = None
+        self.content.premixed = True
         table_init(&self.content, 1024)
         table_init(&self.side, 64)
         table_init(&self.tokt, 64)
@@ -321,6 +322,8 @@ cdef class Core:
             self.pmaps[p].b = NULL
             self.pmaps[p].n = 0
             self.pmaps[p].cap = 0
+            # Engine tables hold mix64(engine hash) (see _tables.pxi): callers mix.
+            self.pmaps[p].premixed = True
         self.psalt = <uint64_t*>_realloc(self.psalt, cap * sizeof(uint64_t))
         self.pflags = <uint8_t*>_realloc(self.pflags, cap * sizeof(uint8_t))
         memset(self.pflags + self.engine_cap, 0, (cap - self.engine_cap) * sizeof(uint8_t))
@@ -826,7 +829,7 @@ cdef class Core:
         if not has_parent:
             prev, d = self.ns_root[ns], 1
         else:
-            ps = table_get(pm, ph)
+            ps = table_get(pm, mix64(ph))
             if ps >= 0:
                 prev = self.key[ps]
                 d = self.depth[ps] + 1 if self.depth[ps] else 0
@@ -842,6 +845,7 @@ cdef class Core:
         # prefetched meanwhile: the tables are far larger than the caches, and a prefill
         # event stores up to 128 blocks.
         cdef uint64_t keys[LOOKAHEAD]
+        cdef uint64_t mh[LOOKAHEAD]       # the engine-table keys: mixed engine hashes
         cdef uint64_t kc = prev
         cdef int64_t computed = 0
         for i in range(n):
@@ -851,9 +855,10 @@ cdef class Core:
                     row = mix64(row ^ (xd[computed] * _EXTRA))
                 kc = chain_key(kc, row)
                 keys[computed % LOOKAHEAD] = kc
+                mh[computed % LOOKAHEAD] = mix64(sh[computed])
                 kv_prefetch(&self.content.b[table_home(&self.content, kc)])
                 if pm.b != NULL:
-                    kv_prefetch(&pm.b[table_home(pm, sh[computed])])
+                    kv_prefetch(&pm.b[table_home(pm, mh[computed % LOOKAHEAD])])
                 computed += 1
             k = keys[i % LOOKAHEAD]
             s = table_get(&self.content, k)
@@ -862,7 +867,7 @@ cdef class Core:
                 if self.keep_tokens and d and bs <= MAX_KEPT_BLOCK and (d - 1) * bs < HEAD_TOKENS:
                     self._keep_tokens(s, stok + i * bs, bs)
             self._add_ref(s, pid, tier)
-            old = table_put(pm, sh[i], s)
+            old = table_put(pm, mh[i % LOOKAHEAD], s)
             if old >= 0 and old != s:
                 # The hash now names another block; the engine may still hold the old one.
                 self.pflags[pid] |= F_UNMAPPED
@@ -883,21 +888,21 @@ cdef class Core:
         cdef uint64_t k
         cdef Table* pm = &self.pmaps[pid]
         for i in range(n):
-            if table_get(pm, self.sh[i]) < 0:
+            if table_get(pm, mix64(self.sh[i])) < 0:
                 ns = self._namespace(pid, model, 0, lora)
                 if ns < 0:
                     self.c_refused[R_NS_LIMIT] += 1
                     return 0
                 break
         for i in range(n):
-            s = table_get(pm, self.sh[i])
+            s = table_get(pm, mix64(self.sh[i]))
             if s < 0:
                 self.c_orphans += 1
                 k = mix64(self.sh[i] ^ mix64(self.psalt[pid] + self.ns_root[ns] * _TOKENLESS))
                 s = table_get(&self.content, k)
                 if s < 0:
                     s = self._alloc_slot(k, 0, 0, <uint16_t>ns)
-                table_put(pm, self.sh[i], s)
+                table_put(pm, mix64(self.sh[i]), s)
             self._add_ref(s, pid, tier)
         self.c_st_ev[tier] += 1
         self.c_st_bl[tier] += n
@@ -919,10 +924,12 @@ cdef class Core:
         cdef int64_t i
         cdef int32_t s
         cdef int r
+        cdef uint64_t m
         for i in range(n):
             if i + LOOKAHEAD < n and pm.b != NULL:
-                kv_prefetch(&pm.b[table_home(pm, sh[i + LOOKAHEAD])])
-            s = table_get(pm, sh[i])
+                kv_prefetch(&pm.b[table_home(pm, mix64(sh[i + LOOKAHEAD]))])
+            m = mix64(sh[i])
+            s = table_get(pm, m)
             if s < 0:
                 self.c_unknown += 1
                 continue
@@ -930,7 +937,7 @@ cdef class Core:
             if r < 0:
                 self.c_unknown += 1
             elif r == 0:
-                table_del(pm, sh[i])
+                table_del(pm, m)
                 if orig:
                     with gil:
                         (<dict>self.engine_orig[pid]).pop(sh[i], None)
@@ -1354,7 +1361,7 @@ cdef class Core:
         """Slot of engine hash ``h`` (already reduced to 64 bits) for engine ``pid``."""
         if pid >= self.engine_cap:
             return -1
-        return table_get(&self.pmaps[pid], <uint64_t>h)
+        return table_get(&self.pmaps[pid], mix64(<uint64_t>h))
 
     def refcount(self, int32_t s, int pid, int tier):
         """References of (engine, tier) to slot ``s``: 0 when not held."""
@@ -1397,7 +1404,7 @@ cdef class Core:
                     if self.masks[t][<int64_t>s * self.W + (pid >> 6)] & bit:
                         tm |= 1 << t
                 if tm:
-                    out.append((pm.b[i].key, s, tm))
+                    out.append((unmix64(pm.b[i].key), s, tm))
             i += 1
         return (i if i < <int64_t>pm.cap else -1), out
 
@@ -1492,7 +1499,7 @@ cdef class Core:
         pmaps = []
         for p in range(self.engine_cap):
             if self.pmaps[p].b != NULL and self.pmaps[p].n:
-                pmaps.append((p, (<char*>self.pmaps[p].b)[:self.pmaps[p].cap * sizeof(Bucket)]))
+                pmaps.append((p, _engine_table_bytes(&self.pmaps[p])))
         free_list = (<char*>self.free_slots)[:self.n_free * 4] if self.n_free else b""
         return {
             "n_slots": n, "W": self.W,
@@ -1568,6 +1575,7 @@ cdef class Core:
             if not 0 <= p < nengines or p >= 64 * self.W:
                 raise ValueError("index state: engine table of an unknown engine")
             _load_table(&self.pmaps[p], raw)
+            _engine_table_mix_keys(&self.pmaps[p])
         for p in range(nengines):
             self.psalt[p] = <uint64_t>st["psalt"][p]
             self.pflags[p] = st["pflags"][p]
@@ -1643,9 +1651,32 @@ cdef int _load_table(Table* t, bytes raw) except -1:
     for i in range(nb):
         if t.b[i].val >= 0:
             t.n += 1
+    # 0.85: the ceiling before 0.8 (states saved then still load; the next insert grows).
     if t.n * 20 > nb * 17:
         raise ValueError("index state: overfull table")
     return 0
+
+
+cdef bytes _engine_table_bytes(const Table* t):
+    """An engine table's buckets as a state stores them: with the engine's hashes as
+    sent, not the mixed keys kept in memory (the buckets are the same, see
+    _tables.pxi), so states load both ways between versions."""
+    cdef bytes raw = (<char*>t.b)[:t.cap * sizeof(Bucket)]
+    # The slice is a new object nothing else has seen yet: unmixed in place.
+    cdef Bucket* b = <Bucket*>PyBytes_AS_STRING(raw)
+    cdef uint64_t i
+    for i in range(t.cap):
+        if b[i].val >= 0:
+            b[i].key = unmix64(b[i].key)
+    return raw
+
+
+cdef void _engine_table_mix_keys(Table* t) noexcept nogil:
+    """The inverse of :func:`_engine_table_bytes`, on an engine table just loaded."""
+    cdef uint64_t i
+    for i in range(t.cap):
+        if t.b[i].val >= 0:
+            t.b[i].key = mix64(t.b[i].key)
 
 
 cdef void* _realloc(void* p, size_t n) except NULL nogil:

@@ -41,6 +41,37 @@ def test_tables_under_churn_match_a_set(ops):
         assert [p.tokens for p in idx.lookup([k, k + 1, k + 2, k + 3]).engines] == [4]
 
 
+def _mix64(x: int) -> int:
+    """The core's key mixer (splitmix64's finaliser), to aim hashes at buckets."""
+    m = (1 << 64) - 1
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+# Engine hashes whose home in an 8-bucket table (a new engine's) is one of its last
+# three buckets: six of them fill a cluster that wraps past the table's end.
+_TAIL_HASHES = [h for h in range(1, 400) if (_mix64(h) * 8) >> 64 >= 5][:6]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(_TAIL_HASHES), st.permutations(_TAIL_HASHES), st.integers(1, 6))
+def test_deletes_across_the_table_end_keep_every_hash_reachable(put_order, del_order, keep):
+    """Backward-shift deletion in a cluster that wraps from the last bucket to the first:
+    after each removal every remaining hash must still be found from its home (a wrong
+    cyclic distance leaves one behind a hole, where lookups and removals miss it)."""
+    idx = PrefixIndex()
+    idx.apply_batch("a", KVEventBatch(0.0, [_stored([h], None, [h, h, 0, 1]) for h in put_order]))
+    left = set(put_order)
+    for h in del_order[: len(del_order) - keep]:
+        idx.apply_batch("a", KVEventBatch(0.0, [BlockRemoved(block_hashes=[h], medium=None)]))
+        left.discard(h)
+        assert {h for h in _TAIL_HASHES if idx.blocks_by_engine_hash(h).holders} == left
+    assert idx.engine_hashes("a") == {"GPU": left}
+
+
 def _stored(hashes, parent, tokens, bs=4, **kw):
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
                        block_size=bs, lora_id=None, medium=kw.pop("medium", None),
