@@ -80,8 +80,7 @@ def test_state_keeps_engine_hashes_as_sent_and_its_buckets_load_back():
     """The engine tables hold mixed hashes in memory (their buckets are those of the raw
     hashes); a saved state holds the raw hashes, as states of earlier versions do, so
     states move between versions both ways: the buckets carry exactly the engine's
-    hashes, and a state whose tables are rewritten from those raw hashes loads and
-    finds every one of them."""
+    hashes, and the state loads back with every one of them findable and removable."""
     import msgspec
     import numpy as np
 
@@ -89,7 +88,7 @@ def test_state_keeps_engine_hashes_as_sent_and_its_buckets_load_back():
     hashes = [1, 2, 3, 2**64 - 1, 2**63, 12345678901234567]
     idx.apply_batch("p", KVEventBatch(1.0, [stored(hashes, None, 0)]))
     doc = msgspec.msgpack.decode(idx.export_state())
-    ((pid, raw),) = doc["core"]["pmaps"]
+    ((_pid, raw),) = doc["core"]["pmaps"]
     buckets = np.frombuffer(raw, dtype=np.dtype([("key", "<u8"), ("val", "<i4")]))
     assert sorted(int(k) for k in buckets["key"][buckets["val"] >= 0]) == sorted(hashes)
     back = PrefixIndex()
