@@ -64,6 +64,11 @@ def test_deletes_across_the_table_end_keep_every_hash_reachable(put_order, del_o
     cyclic distance leaves one behind a hole, where lookups and removals miss it)."""
     idx = PrefixIndex()
     idx.apply_batch("a", KVEventBatch(0.0, [_stored([h], None, [h, h, 0, 1]) for h in put_order]))
+    # The premise, so a change of mixer or first size fails here rather than quietly
+    # testing less: an 8-bucket table whose cluster holds its last bucket and its first.
+    core, pid = idx._core, idx._engines.get("a")
+    assert core.engine_entries(pid, 7, 1)[0] == -1
+    assert core.engine_entries(pid, 7, 1)[1] and core.engine_entries(pid, 0, 1)[1]
     left = set(put_order)
     for h in del_order[: len(del_order) - keep]:
         idx.apply_batch("a", KVEventBatch(0.0, [BlockRemoved(block_hashes=[h], medium=None)]))
