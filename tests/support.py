@@ -185,3 +185,82 @@ class PrometheusServer:
         except Exception:
             self.proc.kill()
         self._log.close()
+
+
+class HeldProxy:
+    """A real TCP hop on 127.0.0.1 that holds what a client sends for ``hold_s`` after
+    each connect (what comes back passes at once): a subscriber behind it is connected
+    at once, but its ZeroMQ handshake and subscription reach the publisher late, as on
+    a busy or distant network. ``cut()`` drops every open connection (the client then
+    reconnects). Threads and sockets end on ``close()``."""
+
+    def __init__(self, upstream_port: int, hold_s: float) -> None:
+        import socket
+
+        self.port, self.hold_s, self._upstream = free_port(), hold_s, upstream_port
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        self._conns: list = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self._upstream), timeout=2)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, server]
+            opened = time.monotonic()
+            for src, dst, release_at in ((client, server, opened + self.hold_s), (server, client, opened)):
+                threading.Thread(target=self._pipe, args=(src, dst, release_at), daemon=True).start()
+
+    def _pipe(self, src, dst, release_at: float) -> None:
+        src.settimeout(0.1)
+        held: list[bytes] = []
+        while not self._stop.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                data = None
+            except OSError:
+                break
+            if data == b"":
+                break
+            if data:
+                held.append(data)
+            if held and time.monotonic() >= release_at:
+                try:
+                    dst.sendall(b"".join(held))
+                except OSError:
+                    break
+                held.clear()
+        for sock in (src, dst):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for sock in conns:
+            try:
+                sock.shutdown(2)
+                sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+        self._listener.close()

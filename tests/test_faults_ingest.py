@@ -22,7 +22,7 @@ import httpx
 import pytest
 import zmq
 
-from support import free_port, rebind, wait_until
+from support import HeldProxy, free_port, rebind, wait_until
 from kvevents.service.aggregator import Aggregator
 from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.wire.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
@@ -164,6 +164,55 @@ def test_fast_publisher_restart_is_detected_by_continuity(new_batches, live_afte
         new.shutdown()
     finally:
         agg.stop()
+
+
+@pytest.mark.parametrize("when", ["first-contact", "reconnect"])
+def test_a_burst_before_the_subscription_lands_is_fetched(when):
+    """The SUB is connected (its monitor says so) while its subscription has yet to reach
+    the publisher (held 1 s on the way): a burst published then is dropped by the PUB,
+    and the publisher goes quiet, so no later seq shows the gap. Whether this is the
+    first contact (whose history probe already found an empty buffer) or a reconnect
+    (whose continuity check already ran), the burst must come in through replay."""
+    port, rport = free_port(), free_port()
+    pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{port}",
+                                            replay_endpoint=f"tcp://127.0.0.1:{rport}", bind=True))
+    proxy = HeldProxy(port, hold_s=1.0 if when == "first-contact" else 0.0)
+    agg = Aggregator(settings(engines=(EngineSpec("p", f"tcp://127.0.0.1:{proxy.port}",
+                                                  f"tcp://127.0.0.1:{rport}"),)))
+    agg.start()
+    try:
+        assert wait_until(lambda: connected(agg, "p"), 5)
+        truth = set()
+        if when == "reconnect":
+            # Wait out the first contact's replay, then send a batch through live.
+            assert wait_until(lambda: agg.source_stats()["p"].initial_replay_done, 5)
+            pub.publish(stored(999))
+            truth.add(999)
+            assert wait_until(lambda: resident(agg, "p") == truth, 5)
+            before = agg.source_stats()["p"].replay_requests
+            proxy.hold_s = 1.0
+            proxy.cut()
+            # The reconnect's continuity check, answered before the subscription lands.
+            assert wait_until(lambda: agg.source_stats()["p"].replay_requests > before
+                              and not agg.source_stats()["p"].replaying, 5)
+        else:
+            assert wait_until(lambda: agg.source_stats()["p"].initial_replay_done, 5)
+        replayed = agg.source_stats()["p"].replayed_batches
+        for i in range(10):
+            pub.publish(stored(2000 + i))
+        truth |= set(range(2000, 2010))
+        found = wait_until(lambda: resident(agg, "p") == truth, 10)
+        st = agg.source_stats()["p"]
+        figure(f"burst_before_subscription[{when}]", found=found, missing=len(truth - resident(agg, "p")),
+               replayed=st.replayed_batches - replayed, lost=st.lost_batches)
+        assert found
+        # The premise: the burst came by replay (the live socket dropped it), none lost.
+        assert st.replayed_batches - replayed == 10
+        assert st.lost_batches == 0 and st.restarts == 0
+    finally:
+        agg.stop()
+        pub.shutdown()
+        proxy.close()
 
 
 def test_trickling_replay_endpoint_does_not_freeze_the_engine():

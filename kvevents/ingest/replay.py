@@ -9,6 +9,11 @@ Contracts it implements (see :mod:`kvevents.ingest.subscriber`):
 * continuity: a replay starts a few seqs early and compares the payloads with the
   digests of what was applied (:mod:`kvevents.ingest.continuity`); a mismatch, or a
   buffer that ends below the newest applied seq, is a publisher restart;
+* settling: after a connect that no live message has followed yet, the replay
+  endpoint is asked for what came after ``expected`` (from 0 before first contact),
+  ``_SETTLE_S`` after the connect and then at doubling waits up to ``_SETTLE_MAX_S``:
+  what a publisher sent before our subscription reached it was dropped on its side,
+  and if it then goes quiet no later seq would show the gap;
 * every replay has a deadline (``replay_timeout`` without any reply,
   ``replay_deadline`` without progress, a hard cap of six of those); when it ends the
   live batches held back meanwhile are released through the live path.
@@ -16,8 +21,8 @@ Contracts it implements (see :mod:`kvevents.ingest.subscriber`):
 State: reads and writes the per-source :class:`~kvevents.ingest.source.SourceState`
 replay fields (``dealer``, ``replay_start``, ``replay_high``, ``replay_deadline``,
 ``replay_hard_deadline``, ``replay_cap``, ``replay_sent``, ``replay_retry_at``,
-``next_probe``, ``pending``, ``expected``, ``stats``); reads the subscriber's
-``_ctx``, ``_replay_timeout``, ``_replay_deadline`` and ``_max_message_bytes``.
+``next_probe``, ``settle_at``, ``settle_wait``, ``pending``, ``expected``, ``stats``);
+reads the subscriber's ``_ctx``, ``_replay_timeout``, ``_replay_deadline`` and ``_max_message_bytes``.
 Runs on the subscriber's loop thread only (or the single thread driving ``poll_once``);
 deadlines are checked by its housekeeping.
 
@@ -51,6 +56,11 @@ class ReplayClient:
     _max_message_bytes: int
     _BACKOFF_MIN_S: float
     _PROBE_INTERVAL_S: float
+    # After a connect, until a live message arrives: when to ask for what the live socket
+    # may have missed, doubling the wait up to _SETTLE_MAX_S (see ``_settle``). A
+    # subscription lands in well under a millisecond on an idle host.
+    _SETTLE_S = 1.0
+    _SETTLE_MAX_S = 8.0
 
     @staticmethod
     def _can_replay(src: SourceState) -> bool:
@@ -76,6 +86,21 @@ class ReplayClient:
         src.stats.replay_from = src.expected if src.expected is not None else start
         src.stats.replay_requests += 1
         self._send_replay(src)
+
+    def _settle(self, src: SourceState) -> None:
+        """A settle check is due (no live message since the last connect, no replay
+        under way): ask for what the live socket may have missed, and schedule the next
+        check at twice the wait, until the wait passes ``_SETTLE_MAX_S``. A live message
+        ends the checks (``settle_at = None``): from then on a gap shows in the seqs."""
+        src.settle_wait *= 2
+        src.settle_at = (time.monotonic() + src.settle_wait
+                         if src.settle_wait <= self._SETTLE_MAX_S else None)
+        if not self._can_replay(src):
+            src.settle_at = None
+        elif src.expected is not None:
+            self._request_replay(src, src.expected)
+        elif src.config.replay_from_start:
+            self._request_replay(src, 0)
 
     def _send_replay(self, src: SourceState) -> None:
         """Send the outstanding request on the source's one DEALER (opened on first

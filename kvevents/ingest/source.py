@@ -128,6 +128,10 @@ class SourceState:
     pending: deque[tuple[int, bytes]] = field(default_factory=deque)  # live, held back
     pending_bytes: int = 0
     verify: bool = False  # a continuity check is wanted (after a reconnect or a jump)
+    # A connect with no live message since: when to ask the replay endpoint for what the
+    # live socket may have missed (see ``Subscriber._SETTLE_S``), and the wait after that.
+    settle_at: float | None = None
+    settle_wait: float = 0.0
     ever_connected: bool = False
     open_retry_at: float = 0.0
     open_backoff: float = 0.0

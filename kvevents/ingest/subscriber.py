@@ -25,6 +25,8 @@ payload decode -> in-order delivery to the consumer. Contracts:
 * On first contact (and after a restart) a source with a replay endpoint is replayed
   from seq 0, so a consumer that starts mid-stream rebuilds the publisher's state from
   its buffer; what the buffer no longer holds is reported as lost.
+* A connect is not yet a subscription: until a live message follows one, the replay
+  endpoint is asked for what the publisher sent meanwhile (see :mod:`.replay`).
 * A malformed message (wrong frame count, bad seq) or an undecodable payload is counted
   in :class:`SourceStats` and skipped; an undecodable payload consumes its seq without
   dropping the source's state.
@@ -161,8 +163,7 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         # The loop thread's stretches of Python between two GIL releases.
         self.gil_holds = HoldMeter()
         self._group_batches = group_batches
-        # Sockets that had messages in the last poll, drained again first; see
-        # _ready_sockets.
+        # Sockets that had messages in the last poll, drained again first (_ready_sockets).
         self._hot: list[zmq.Socket] = []
         self._next_full_poll = 0.0
         # The group being collected: its source, whether replayed, (seq, DecodeResult)s.
@@ -348,6 +349,7 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
             # live messages back.
             sink = (self._lane(src.config.name) if self._lane is not None and role == "live"
                     and src.replay_deadline is None else None)
+            taken = 0
             try:
                 if sink is not None:
                     taken = self._lane_drain(src, sock, sink, msgs)
@@ -364,6 +366,8 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
                     hot.append(sock)
                 if role != "monitor":
                     src.stats.last_received = time.time()  # once per drain, not per message
+            if role == "live" and (msgs or taken):
+                src.settle_at = None  # our subscription is in place: gaps show in the seqs
             # Progress is liveness: a long drain of a busy publisher is not "stuck".
             self.heartbeat = time.monotonic()
             for frames in msgs:
@@ -472,6 +476,8 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
                     self._request_replay(src, 0)
             elif src.verify and src.expected is not None and self._can_replay(src):
                 self._request_replay(src, src.expected)
+            elif src.settle_at is not None and now >= src.settle_at:
+                self._settle(src)
 
     # -- sources -----------------------------------------------------------------------
 
