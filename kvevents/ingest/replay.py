@@ -22,9 +22,9 @@ State: reads and writes the per-source :class:`~kvevents.ingest.source.SourceSta
 replay fields (``dealer``, ``replay_start``, ``replay_high``, ``replay_deadline``,
 ``replay_hard_deadline``, ``replay_cap``, ``replay_sent``, ``replay_retry_at``,
 ``next_probe``, ``settle_at``, ``settle_wait``, ``pending``, ``expected``, ``stats``);
-reads the subscriber's ``_ctx``, ``_replay_timeout``, ``_replay_deadline`` and ``_max_message_bytes``.
-Runs on the subscriber's loop thread only (or the single thread driving ``poll_once``);
-deadlines are checked by its housekeeping.
+reads the subscriber's ``_ctx``, ``_replay_timeout``, ``_replay_deadline`` and
+``_max_message_bytes``. Runs on the subscriber's loop thread only (or the single
+thread driving ``poll_once``); deadlines are checked by its housekeeping.
 
 A mixin of :class:`~kvevents.ingest.subscriber.Subscriber`, whose ``__init__`` sets up
 the attributes used here; it calls stream tracking (:mod:`kvevents.ingest.stream`),

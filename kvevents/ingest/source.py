@@ -129,7 +129,7 @@ class SourceState:
     pending_bytes: int = 0
     verify: bool = False  # a continuity check is wanted (after a reconnect or a jump)
     # A connect with no live message since: when to ask the replay endpoint for what the
-    # live socket may have missed (see ``Subscriber._SETTLE_S``), and the wait after that.
+    # live socket may have missed (see ``ReplayClient._settle``), and the wait after that.
     settle_at: float | None = None
     settle_wait: float = 0.0
     ever_connected: bool = False
