@@ -9,11 +9,14 @@ Contracts it implements (see :mod:`kvevents.ingest.subscriber`):
 * continuity: a replay starts a few seqs early and compares the payloads with the
   digests of what was applied (:mod:`kvevents.ingest.continuity`); a mismatch, or a
   buffer that ends below the newest applied seq, is a publisher restart;
-* settling: after a connect that no live message has followed yet, the replay
-  endpoint is asked for what came after ``expected`` (from 0 before first contact),
-  ``_SETTLE_S`` after the connect and then at doubling waits up to ``_SETTLE_MAX_S``:
-  what a publisher sent before our subscription reached it was dropped on its side,
-  and if it then goes quiet no later seq would show the gap;
+* probes: the replay endpoint is asked for what the live socket has not brought, from
+  ``expected`` (from 0 before first contact): at once when the live socket opens (the
+  publisher's history), every ``_PROBE_INTERVAL_S`` while nobody answers, and after a
+  connect that no live message has followed yet, within ``_CONNECT_PROBE_S`` of it
+  (the first contact's probe may be that one) and then at doubling waits up to
+  ``_CONNECT_PROBE_MAX_S`` (what a publisher sent before our subscription reached it
+  was dropped on its side, and if it then goes quiet no later seq would show the
+  gap); a live message ends the probes;
 * every replay has a deadline (``replay_timeout`` without any reply,
   ``replay_deadline`` without progress, a hard cap of six of those); when it ends the
   live batches held back meanwhile are released through the live path.
@@ -21,7 +24,7 @@ Contracts it implements (see :mod:`kvevents.ingest.subscriber`):
 State: reads and writes the per-source :class:`~kvevents.ingest.source.SourceState`
 replay fields (``dealer``, ``replay_start``, ``replay_high``, ``replay_deadline``,
 ``replay_hard_deadline``, ``replay_cap``, ``replay_sent``, ``replay_retry_at``,
-``next_probe``, ``settle_at``, ``settle_wait``, ``pending``, ``expected``, ``stats``);
+``next_probe``, ``probe_wait``, ``pending``, ``expected``, ``stats``);
 reads the subscriber's ``_ctx``, ``_replay_timeout``, ``_replay_deadline`` and
 ``_max_message_bytes``. Runs on the subscriber's loop thread only (or the single
 thread driving ``poll_once``); deadlines are checked by its housekeeping.
@@ -56,11 +59,11 @@ class ReplayClient:
     _max_message_bytes: int
     _BACKOFF_MIN_S: float
     _PROBE_INTERVAL_S: float
-    # After a connect, until a live message arrives: when to ask for what the live socket
-    # may have missed, doubling the wait up to _SETTLE_MAX_S (see ``_settle``). A
-    # subscription lands in well under a millisecond on an idle host.
-    _SETTLE_S = 1.0
-    _SETTLE_MAX_S = 8.0
+    # After a connect, until a live message arrives: when to probe, doubling the wait up
+    # to _CONNECT_PROBE_MAX_S (see ``_probe``). A subscription lands in well under a
+    # millisecond on an idle host, in a second or more on a starved one.
+    _CONNECT_PROBE_S = 1.0
+    _CONNECT_PROBE_MAX_S = 8.0
 
     @staticmethod
     def _can_replay(src: SourceState) -> bool:
@@ -87,17 +90,20 @@ class ReplayClient:
         src.stats.replay_requests += 1
         self._send_replay(src)
 
-    def _settle(self, src: SourceState) -> None:
-        """A settle check is due (no live message since the last connect, no replay
-        under way): ask for what the live socket may have missed, and schedule the next
-        check at twice the wait, until the wait passes ``_SETTLE_MAX_S``. A live message
-        ends the checks (``settle_at = None``): from then on a gap shows in the seqs."""
-        src.settle_wait *= 2
-        src.settle_at = (time.monotonic() + src.settle_wait
-                         if src.settle_wait <= self._SETTLE_MAX_S else None)
-        if not self._can_replay(src):
-            src.settle_at = None
-        elif src.expected is not None:
+    def _probe(self, src: SourceState) -> None:
+        """A probe is due (``next_probe``, set only for sources with a replay endpoint;
+        no replay under way): ask for what the live socket has not brought. A connect's
+        probes (``probe_wait`` set) schedule the next one at twice the wait, until it
+        passes ``_CONNECT_PROBE_MAX_S``. A live message ends them (the subscriber's drain
+        clears both fields): from then on a gap shows in the seqs."""
+        src.next_probe = None
+        if src.probe_wait:
+            src.probe_wait *= 2
+            if src.probe_wait <= self._CONNECT_PROBE_MAX_S:
+                src.next_probe = time.monotonic() + src.probe_wait
+            else:
+                src.probe_wait = 0.0
+        if src.expected is not None:
             self._request_replay(src, src.expected)
         elif src.config.replay_from_start:
             self._request_replay(src, 0)

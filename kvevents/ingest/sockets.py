@@ -9,16 +9,16 @@ Contracts it implements (see :mod:`kvevents.ingest.subscriber`):
   the loop's housekeeping;
 * the monitor exists before connect/bind, so every connect is seen; a reconnect marks
   the stream for a continuity check (``verify``), since the publisher may be a new
-  process; every connect schedules a settle check (``settle_at``: the subscription is
-  in place only once a live message arrives);
+  process; every connect schedules replay probes (``next_probe``, ``probe_wait``: the
+  subscription is in place only once a live message arrives);
 * removing a source closes all its sockets; closing never raises.
 
 State: writes the subscriber's ``_poller`` and ``_by_socket`` (socket -> (source,
 role)), and each source's ``sub``, ``monitor``, ``open_backoff``, ``open_retry_at``,
-``next_probe``, ``ever_connected``, ``verify``, ``settle_at``, ``settle_wait`` and
-``stats.connected``; reads ``_ctx``, ``_recv_hwm``, ``_max_message_bytes`` and
-``_sources``. Runs on the subscriber's loop thread (or, before ``start`` and after the
-loop thread ended, the caller's).
+``next_probe``, ``probe_wait``, ``ever_connected``, ``verify`` and ``stats.connected``;
+reads ``_ctx``, ``_recv_hwm``, ``_max_message_bytes`` and ``_sources``. Runs on the
+subscriber's loop thread (or, before ``start`` and after the loop thread ended, the
+caller's).
 
 A mixin of :class:`~kvevents.ingest.subscriber.Subscriber`, whose ``__init__`` sets up
 the attributes used here.
@@ -49,7 +49,7 @@ class SocketSet:
     _by_socket: dict[zmq.Socket, tuple[SourceState, str]]
     _BACKOFF_MIN_S: float
     _BACKOFF_MAX_S: float
-    _SETTLE_S: float
+    _CONNECT_PROBE_S: float
 
     def _open(self, src: SourceState) -> bool:
         """Open the live SUB socket and its monitor; on failure count it and schedule
@@ -141,9 +141,12 @@ class SocketSet:
             # The monitor reports the TCP connect; the publisher drops what it sends
             # until our subscription reaches it, a moment (or, on a busy machine, a
             # second) later. A burst in that moment followed by silence would show no
-            # gap: unless a live message comes first, ask the replay endpoint then.
-            src.settle_wait = self._SETTLE_S
-            src.settle_at = time.monotonic() + src.settle_wait
+            # gap: unless a live message comes first, probe the replay endpoint then (a
+            # probe already due, the first contact's, keeps its time).
+            if self._can_replay(src):
+                src.probe_wait = self._CONNECT_PROBE_S
+                due = time.monotonic() + src.probe_wait
+                src.next_probe = due if src.next_probe is None else min(src.next_probe, due)
         elif event == zmq.EVENT_DISCONNECTED:
             src.stats.connected = max(0, src.stats.connected - 1)
 

@@ -117,7 +117,11 @@ class SourceState:
     sub: zmq.Socket | None = None
     dealer: zmq.Socket | None = None  # one per source, reused across replays
     monitor: zmq.Socket | None = None
-    next_probe: float | None = None  # when to ask for history before first contact
+    # When to ask the replay endpoint for what the live socket has not brought (history
+    # before first contact, or after a connect), and a connect's wait before the next one
+    # (0: not after a connect); see ``ReplayClient._probe``.
+    next_probe: float | None = None
+    probe_wait: float = 0.0
     _replay_deadline: float | None = None
     replay_hard_deadline: float | None = None  # progress deadline of the same replay
     replay_cap: float | None = None  # absolute cap of the same replay
@@ -128,10 +132,6 @@ class SourceState:
     pending: deque[tuple[int, bytes]] = field(default_factory=deque)  # live, held back
     pending_bytes: int = 0
     verify: bool = False  # a continuity check is wanted (after a reconnect or a jump)
-    # A connect with no live message since: when to ask the replay endpoint for what the
-    # live socket may have missed (see ``ReplayClient._settle``), and the wait after that.
-    settle_at: float | None = None
-    settle_wait: float = 0.0
     ever_connected: bool = False
     open_retry_at: float = 0.0
     open_backoff: float = 0.0

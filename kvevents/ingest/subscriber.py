@@ -366,8 +366,8 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
                     hot.append(sock)
                 if role != "monitor":
                     src.stats.last_received = time.time()  # once per drain, not per message
-            if role == "live" and (msgs or taken):
-                src.settle_at = None  # our subscription is in place: gaps show in the seqs
+            if role == "live" and (msgs or taken) and src.next_probe is not None:
+                src.next_probe, src.probe_wait = None, 0.0  # subscribed: gaps show in seqs
             # Progress is liveness: a long drain of a busy publisher is not "stuck".
             self.heartbeat = time.monotonic()
             for frames in msgs:
@@ -471,13 +471,9 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
                 elif not src.replay_sent and now >= src.replay_retry_at:
                     self._send_replay(src)
             elif src.next_probe is not None and now >= src.next_probe:
-                src.next_probe = None
-                if src.expected is None:
-                    self._request_replay(src, 0)
+                self._probe(src)
             elif src.verify and src.expected is not None and self._can_replay(src):
                 self._request_replay(src, src.expected)
-            elif src.settle_at is not None and now >= src.settle_at:
-                self._settle(src)
 
     # -- sources -----------------------------------------------------------------------
 
