@@ -258,6 +258,34 @@ def test_trickling_replay_endpoint_does_not_freeze_the_engine():
         pub.close()
 
 
+def test_a_source_keeps_one_replay_socket_whatever_its_replays_did():
+    """A source's sockets, and so the files the process holds, do not depend on what its
+    replays happened to do: one whose replay endpoint never answers keeps a DEALER (a
+    fresh one after each timeout) once its first live batch needed no replay, as it had
+    one from the moment its live socket opened."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_churn import _fds, _stable
+
+    pub = ScriptedPublisher(replay="trickle")  # nothing is buffered: the ROUTER never answers
+    sub = Subscriber(lambda s: None, replay_timeout=0.3, replay_deadline=0.3)
+    sub.add_source(SourceConfig("p", pub.endpoint, pub.replay_endpoint))
+    sub.start()
+    try:
+        assert wait_until(lambda: sub.stats()["p"].connected > 0, 5)
+        before = _stable(_fds)
+        # The first contact's probe goes unanswered; then seq 0 comes live (no replay).
+        assert wait_until(lambda: sub.stats()["p"].replay_timeouts >= 1, 5)
+        pub.publish(0, ENC.encode(stored(1)), keep=False)
+        assert wait_until(lambda: sub.stats()["p"].batches == 1 and not sub.stats()["p"].replaying, 5)
+        after = _stable(_fds)
+        figure("replay_socket_kept", fds_before=before, fds_after=after,
+               timeouts=sub.stats()["p"].replay_timeouts)
+        assert after == before
+    finally:
+        sub.stop()
+        pub.close()
+
+
 def test_held_back_messages_are_bounded_in_bytes():
     pub = ScriptedPublisher(replay="trickle", trickle_s=0.5)
     got: list[int] = []

@@ -108,28 +108,52 @@ class ReplayClient:
         elif src.config.replay_from_start:
             self._request_replay(src, 0)
 
-    def _send_replay(self, src: SourceState) -> None:
-        """Send the outstanding request on the source's one DEALER (opened on first
-        use); on failure count it and let housekeeping retry before the deadline."""
+    def _ensure_dealer(self, src: SourceState) -> bool:
+        """Give ``src`` its one DEALER, connected to its replay endpoint, unless it has
+        one; returns whether it has one. A source with a replay endpoint holds it from
+        the moment its live socket opens until it is removed, and one that may carry
+        stale replies is replaced at once (:meth:`_renew_dealer`), so the sockets and
+        files a source costs do not depend on which replays it happened to need. A
+        failure (out of sockets or files) is counted and logged, nothing is left open,
+        and the next replay tries again."""
+        if src.dealer is not None:
+            return True
+        if not self._can_replay(src):
+            return False
+        dealer = None
         try:
-            if src.dealer is None:
-                dealer = self._ctx.socket(zmq.DEALER)
-                try:
-                    dealer.setsockopt(zmq.LINGER, 0)
-                    dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
-                    dealer.connect(src.config.replay_endpoint)
-                except zmq.ZMQError:
-                    dealer.close(linger=0)
-                    raise
-                src.dealer = dealer
-                self._register(dealer, src, "replay")
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+            dealer.connect(src.config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_quietly(dealer)
+            src.stats.socket_errors += 1
+            log.warning("cannot open the replay socket of %s (%s)", src.config.name, exc)
+            return False
+        src.dealer = dealer
+        self._register(dealer, src, "replay")
+        return True
+
+    def _renew_dealer(self, src: SourceState) -> None:
+        """Replace ``src``'s DEALER: stale replies may still be under way to it."""
+        self._close_dealer(src)
+        self._ensure_dealer(src)
+
+    def _send_replay(self, src: SourceState) -> None:
+        """Send the outstanding request on the source's one DEALER (opened if it has
+        none); on failure count it and let housekeeping retry before the deadline."""
+        if not self._ensure_dealer(src):
+            src.replay_retry_at = time.monotonic() + self._BACKOFF_MIN_S * 4
+            return
+        try:
             # DEALER talking to a ROUTER must send the empty delimiter itself.
             src.dealer.send_multipart((b"", pack_seq(src.replay_start)), flags=zmq.NOBLOCK)
             src.replay_sent = True
         except zmq.ZMQError as exc:
             src.stats.socket_errors += 1
             # A DEALER that cannot send may hold a half-sent or stale exchange: new one.
-            self._close_dealer(src)
+            self._renew_dealer(src)
             src.replay_retry_at = time.monotonic() + self._BACKOFF_MIN_S * 4
             log.warning("replay request of %s failed (%s); retrying", src.config.name, exc)
 
@@ -207,7 +231,7 @@ class ReplayClient:
         """
         if timed_out:
             # Stale replies may still be under way: the next replay gets a fresh DEALER.
-            self._close_dealer(src)
+            self._renew_dealer(src)
         self._flush_group()  # so stats.last_seq is the last delivered seq
         pending = src.pending
         self._clear_replay(src)

@@ -11,6 +11,7 @@ Contracts it implements (see :mod:`kvevents.ingest.subscriber`):
   the stream for a continuity check (``verify``), since the publisher may be a new
   process; every connect schedules replay probes (``next_probe``, ``probe_wait``: the
   subscription is in place only once a live message arrives);
+* a source's replay DEALER opens with its live socket (``ReplayClient._ensure_dealer``);
 * removing a source closes all its sockets; closing never raises.
 
 State: writes the subscriber's ``_poller`` and ``_by_socket`` (socket -> (source,
@@ -85,6 +86,7 @@ class SocketSet:
         src.sub, src.monitor, src.open_backoff = sub, monitor, 0.0
         self._register(sub, src, "live")
         self._register(monitor, src, "monitor")
+        self._ensure_dealer(src)  # the replay socket too (see ReplayClient._ensure_dealer)
         if self._can_replay(src) and config.replay_from_start and src.expected is None:
             # Catch up on history at once: an idle publisher may send nothing live for
             # a long time, and the batches it sent before we connected are in its buffer.

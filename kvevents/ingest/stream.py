@@ -150,7 +150,7 @@ class StreamTracking:
 
     def _reset(self, src: SourceState) -> None:
         """Forget the stream (not the live socket): a new replay starts clean."""
-        self._close_dealer(src)
+        self._renew_dealer(src)
         self._clear_replay(src)
         src.expected = None
         src.live_high = None
