@@ -230,7 +230,7 @@ class ReplayClient:
         dead or trickling replay endpoint cannot stall the stream.
         """
         if timed_out:
-            # Stale replies may still be under way: the next replay gets a fresh DEALER.
+            # Stale replies may still be under way to this DEALER: a fresh one now.
             self._renew_dealer(src)
         self._flush_group()  # so stats.last_seq is the last delivered seq
         pending = src.pending
