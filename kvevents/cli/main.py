@@ -94,6 +94,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None,
                    help="listen address (default: {default})")
     p.add_argument("--port", type=int, default=None, help="listen port (default: {default})")
+    p.add_argument("--workers", default=None, metavar="N|auto",
+                   help="processes serving the port, each a full aggregator following every "
+                        "engine; auto: one per core this process may use (env "
+                        "KVEVENTS_WORKERS; default: {default})")
     p.add_argument("--auth-token", default=None,
                    help="bearer token required on POST/DELETE /v1/engines (default: none, open)")
     p.add_argument("--stale-after", type=float, default=None, dest="stale_after_s", metavar="SECONDS",
@@ -143,10 +147,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--discover-dns", action="append", default=None, metavar="NAME",
                    help="a DNS name whose A/AAAA records are engines, e.g. a headless Service "
                         "(repeatable; env KVEVENTS_DISCOVER_DNS, ';'-separated; default: none)")
+    d.add_argument("--discover-dns-srv", action="append", default=None, metavar="NAME",
+                   help="a DNS SRV name whose records are engines, host and events port, e.g. "
+                        "_kv-events._tcp.vllm.NAMESPACE.svc.cluster.local (repeatable; env "
+                        "KVEVENTS_DISCOVER_DNS_SRV, ';'-separated; default: none)")
+    d.add_argument("--discover-srv-replay-name", default=None, metavar="PORTNAME",
+                   help="with --discover-dns-srv: each engine's replay port from the SRV record "
+                        "_PORTNAME._tcp of the same domain and target, e.g. kv-replay "
+                        "(default: --discover-replay-port)")
+    d.add_argument("--discover-srv-http-name", default=None, metavar="PORTNAME",
+                   help="likewise for its OpenAI server's port, e.g. http "
+                        "(default: --discover-http-port)")
     d.add_argument("--discover-interval", type=float, default=None, dest="discover_interval_s",
-                   metavar="SECONDS", help="seconds between DNS resolutions (default: {default})")
+                   metavar="SECONDS", help="seconds between DNS resolutions, even when shorter "
+                                           "than the records' TTL (default: when the TTL runs "
+                                           "out, at least 1 s)")
     d.add_argument("--dns-server", default=None, metavar="HOST[:PORT]",
                    help="ask this DNS server instead of the system resolver (default: system)")
+    d.add_argument("--resolv-conf", default=None, dest="dns_resolv_conf", metavar="FILE",
+                   help="the system resolver's nameservers, search domains and ndots, when no "
+                        "--dns-server is given (default: {default})")
     d.add_argument("--discover-k8s-selector", default=None, metavar="SELECTOR",
                    help="follow Running, Ready pods matching this label selector, e.g. "
                         "app.kubernetes.io/name=vllm (needs the k8s extra; default: none)")
@@ -215,6 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(
             args.config, engines=args.endpoint, host=args.host, port=args.port,
+            workers=args.workers,
             auth_token=args.auth_token, stale_after_s=args.stale_after_s, log_level=args.log_level,
             down_after_s=args.down_after_s, data_dir=args.data_dir,
             snapshot_interval_s=args.snapshot_interval_s, bootstrap_from=args.bootstrap_from,
@@ -226,6 +247,9 @@ def _serve(args: argparse.Namespace) -> int:
             route_affinity_weight=args.route_affinity_weight,
             route_balance_weight=args.route_balance_weight,
             discover_dns=args.discover_dns, discover_interval_s=args.discover_interval_s,
+            discover_dns_srv=args.discover_dns_srv,
+            discover_srv_replay_name=args.discover_srv_replay_name,
+            discover_srv_http_name=args.discover_srv_http_name, dns_resolv_conf=args.dns_resolv_conf,
             dns_server=args.dns_server, discover_k8s_selector=args.discover_k8s_selector,
             discover_k8s_namespace=args.discover_k8s_namespace,
             discover_events_port=args.discover_events_port,

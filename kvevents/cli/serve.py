@@ -27,8 +27,10 @@ class ListenError(OSError):
     """The HTTP address could not be bound."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket on ``host:port``; raises :class:`ListenError`."""
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port``; raises :class:`ListenError`.
+    ``reuse_port``: ``SO_REUSEPORT``, so the workers of one server each bind the port
+    and the kernel spreads connections over them."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -36,6 +38,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # quick restarts (TIME_WAIT)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(addr)
     except OSError as exc:
@@ -79,8 +83,25 @@ def uvicorn_config(app, *, lookup_in_protocol: bool = True, **options) -> uvicor
     return uvicorn.Config(app, http=http, **options)
 
 
+def quiet_client_logs() -> None:
+    """httpx logs every request at INFO: the gateway's requests and its /metrics polls
+    (every engine, every second) would flood the log. Its warnings still show."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # lightkube's (pod discovery)
+
+
 def run_server(settings: AggregatorSettings) -> int:
-    """Serve until SIGINT/SIGTERM; the app's lifespan starts and stops the aggregator."""
+    """Serve until SIGINT/SIGTERM; the app's lifespan starts and stops the aggregator.
+    With ``settings.workers`` above 1, :mod:`kvevents.cli.workers` runs that many
+    processes on the port instead."""
+    if settings.workers > 1:
+        from kvevents.cli.workers import WorkersError, run_workers
+
+        try:
+            return run_workers(settings)
+        except WorkersError as exc:
+            print(f"kvevents serve: error: {exc}", file=sys.stderr)
+            return 2
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         app = create_app(settings)
@@ -88,10 +109,7 @@ def run_server(settings: AggregatorSettings) -> int:
         print(f"kvevents serve: error: {exc}", file=sys.stderr)
         return 2
     tune_gc()
-    # httpx logs every request at INFO: the gateway's requests and its /metrics polls
-    # (every engine, every second) would flood the log. Its warnings still show.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("httpx2").setLevel(logging.WARNING)  # lightkube's (pod discovery)
+    quiet_client_logs()
     sock = bind_socket(settings.host, settings.port)
     for engine in settings.engines:
         log.info("following %s at %s%s", engine.name, engine.endpoint,

@@ -173,6 +173,9 @@ class AggregatorSettings(BaseSettings):
     lookup_in_protocol: bool = Field(True, description="kvevents serve: answer common "
                                      "POST /v1/lookup bodies in the HTTP protocol, before the "
                                      "ASGI app (false: every lookup through the app)")
+    workers: int = Field(1, ge=1, le=256, description="kvevents serve: processes serving the "
+                         "one port, each following every engine (SO_REUSEPORT); 'auto': one "
+                         "per core this process may use")
     event_feed_size: int = Field(2048, ge=1, description="events kept for /v1/events clients")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level")
@@ -248,11 +251,27 @@ class AggregatorSettings(BaseSettings):
     discover_dns: tuple[str, ...] = Field(
         (), description="DNS names whose A/AAAA records are engines (a headless Service); "
                         "';'-separated in the environment")
-    discover_interval_s: float = Field(1.0, gt=0, le=3600, description="seconds between DNS "
-                                                                       "resolutions")
+    discover_dns_srv: tuple[str, ...] = Field(
+        (), description="DNS SRV names whose records are engines (host and events port), e.g. "
+                        "_kv-events._tcp.vllm.NAMESPACE.svc.cluster.local; ';'-separated in "
+                        "the environment")
+    discover_srv_replay_name: str | None = Field(
+        None, min_length=1, description="port name of the engines' replay socket: its SRV "
+                                        "record _NAME._PROTO.DOMAIN gives each engine's replay "
+                                        "port (default: discover_replay_port)")
+    discover_srv_http_name: str | None = Field(
+        None, min_length=1, description="port name of the engines' OpenAI server, likewise "
+                                        "(default: discover_http_port)")
+    discover_interval_s: float | None = Field(
+        None, gt=0, le=3600, description="seconds between DNS resolutions, even when shorter "
+                                         "than the records' TTL (default: when the TTL runs "
+                                         "out, at least 1 s)")
     dns_server: str | None = Field(None, pattern=r"^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+)(:\d{1,5})?$",
                                    description="DNS server HOST[:PORT] to ask instead of the "
                                                "system resolver")
+    dns_resolv_conf: str = Field("/etc/resolv.conf", min_length=1,
+                                 description="the system resolver's configuration (nameservers, "
+                                             "search, ndots) when no dns_server is given")
     discover_k8s_selector: str | None = Field(
         None, min_length=1, description="label selector of engine pods to follow "
                                         "(needs the k8s extra)")
@@ -275,7 +294,16 @@ class AggregatorSettings(BaseSettings):
                                                               "engine's first replay before giving "
                                                               "up on it (counted)")
 
-    @field_validator("discover_dns", mode="before")
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _parse_workers(cls, value: Any) -> Any:
+        # "auto": the cores the scheduler lets this process use (a cpuset or taskset
+        # narrows it; a container's CPU quota does not, so name a number there).
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return len(os.sched_getaffinity(0))
+        return value
+
+    @field_validator("discover_dns", "discover_dns_srv", mode="before")
     @classmethod
     def _parse_names(cls, value: Any) -> Any:
         if isinstance(value, str):  # from the environment: NAME;NAME
