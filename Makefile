@@ -24,7 +24,7 @@ VLLM_STAMP := $(VENV)/.vllm-stamp
 # Every pip install runs under this constraint, so nothing replaces the CPU torch build.
 CONSTRAINTS := $(VENV)/constraints.txt
 
-.PHONY: test demo install vllm system-deps test-data bench clean
+.PHONY: test demo install vllm system-deps test-data bench clean gpu-wheels gpu-check
 
 # The compiled index core is built by the editable install: rebuild when its source changes.
 $(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi kvevents/index/_wire.pxi kvevents/ingest/_zmqrecv.pyx kvevents/ingest/_lane.pxi kvevents/ingest/lane_abi.pxd kvevents/index/_sink.pxi kvevents/api/_fastbody.pyx
@@ -91,6 +91,23 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_publisher.py
+
+# The GPU check (benchmarks/gpu/check.sh) runs on a lent GPU machine with no network, whose
+# Python (3.12, CUDA torch, numpy, pytest) lacks these: made here, carried there in .whl/.
+GPU_WHEELS     ?= pyzmq==27.3.0 msgspec==0.22.0
+WHEELHOUSE     ?= .whl
+GPU_PLATFORMS  := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64,--platform $(p))
+
+gpu-wheels:
+	@echo "downloading $(GPU_WHEELS) for CPython 3.12 manylinux x86-64 into $(WHEELHOUSE)/"
+	@mkdir -p $(WHEELHOUSE)
+	@for w in $(GPU_WHEELS); do rm -f $(WHEELHOUSE)/$${w%%==*}-*.whl; done
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d $(WHEELHOUSE) $(GPU_WHEELS)
+
+# `make gpu-check` on a GPU machine; `make gpu-check CPU=1`: the dry run here.
+gpu-check:
+	bash benchmarks/gpu/check.sh $(if $(CPU),--cpu,)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache kvevents/index/_core.c kvevents/index/*.so kvevents/ingest/_zmqrecv.c kvevents/ingest/*.so

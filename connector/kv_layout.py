@@ -56,3 +56,23 @@ class KVCacheLayout:
             name: torch.zeros(self.layer_shape(num_blocks), dtype=self.dtype, device=device, pin_memory=pin)
             for name in self.layer_names()
         }
+
+
+def block_major_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> dict[str, torch.Tensor]:
+    """Per-layer tensors as views whose dim 0 is the block id (no copy).
+
+    The layouts vLLM's attention backends register: block-major tensors are kept as
+    they are (vLLM's CPU backend ``[num_blocks, kv_heads, block_size, 2 * head_dim]``,
+    FlashInfer's ``(num_blocks, 2, ...)``); FlashAttention's ``(2, num_blocks, ...)``
+    is split into its K and V views (``NAME.k``, ``NAME.v``). Any other shape is a
+    ``ValueError`` naming the layer.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in kv_caches.items():
+        if t.shape[0] == num_blocks:
+            out[name] = t
+        elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            out[f"{name}.k"], out[f"{name}.v"] = t[0], t[1]
+        else:
+            raise ValueError(f"KV cache {name} has shape {tuple(t.shape)}; no block dimension of size {num_blocks}")
+    return out

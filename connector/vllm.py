@@ -76,7 +76,7 @@ except ImportError as exc:  # pragma: no cover - exercised where vLLM is absent
 from kvevents.wire.schema import MEDIUM_CPU, BlockRemoved, BlockStored
 
 from connector.config import OffloadConfig
-from connector.kv_layout import KVCacheLayout
+from connector.kv_layout import KVCacheLayout, block_major_views
 from connector.planner import OffloadPlanner
 from connector.step import ScheduledRequest, StepSchedule, StepTransfers, WorkerReport
 from connector.transfer.abstract import Direction, TransferResult
@@ -224,23 +224,6 @@ def _to_vllm_events(events: list) -> list:
     return out
 
 
-def _canonical_kv(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> dict[str, torch.Tensor]:
-    """Per-layer tensors as views whose dim 0 is the block id.
-
-    The CPU backend keeps ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` (already
-    canonical); FlashAttention keeps ``(2, num_blocks, ...)``: split into K and V views.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for name, t in kv_caches.items():
-        if t.shape[0] == num_blocks:
-            out[name] = t
-        elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-            out[f"{name}.k"], out[f"{name}.v"] = t[0], t[1]
-        else:
-            raise ValueError(f"KV cache {name} has shape {tuple(t.shape)}; no block dimension of size {num_blocks}")
-    return out
-
-
 # ---- the connector -----------------------------------------------------------------
 
 
@@ -288,7 +271,7 @@ class KVEventsOffloadingConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        self.worker.attach_kv_caches(_canonical_kv(kv_caches, self._num_blocks))
+        self.worker.attach_kv_caches(block_major_views(kv_caches, self._num_blocks))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None

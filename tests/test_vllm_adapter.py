@@ -50,19 +50,18 @@ def test_extra_config_validated_once_with_the_key_named():
         offload_config_from_extra({"cpu_bytes_to_use": "lots"})
 
 
-@needs_vllm
 def test_kv_caches_canonicalised_to_block_major_views():
     import torch
 
-    from connector.vllm import _canonical_kv
+    from connector.kv_layout import block_major_views
 
     cpu = torch.zeros(17, 2, 32, 128)  # CPU backend: [num_blocks, kv_heads, block_size, 2*head_dim]
     flash = torch.zeros(2, 17, 32, 2, 64)  # FlashAttention: (K|V, num_blocks, ...)
-    out = _canonical_kv({"a": cpu, "b": flash}, 17)
+    out = block_major_views({"a": cpu, "b": flash}, 17)
     assert set(out) == {"a", "b.k", "b.v"}
     assert out["a"] is cpu and out["b.k"].data_ptr() == flash[0].data_ptr() and out["b.v"].shape[0] == 17
     with pytest.raises(ValueError, match="no block dimension of size 17"):
-        _canonical_kv({"c": torch.zeros(3, 5)}, 17)
+        block_major_views({"c": torch.zeros(3, 5)}, 17)
 
 
 @needs_vllm

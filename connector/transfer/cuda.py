@@ -7,80 +7,115 @@ few). A load does the reverse: host->device runs into staging, then one
 ``index_copy_`` into the KV cache. Each job records a CUDA event; ``take_finished()``
 polls events per direction in submission order, so completions are reported in order.
 Staging tensors are kept referenced by their job until its event has completed.
+
+Failure: ``submit`` never raises for a job. Ids out of range, an out-of-memory staging
+allocation or any other error while queueing the copies makes the job a failed result
+(``success=False``), reported in its place in the order once the copies queued before
+the error have finished; the handler stays usable. The caller rolls a failed store back
+and recomputes a failed load.
+
+The streams come from a :class:`connector.transfer.streams.StreamOps`: CUDA's own by
+default; :class:`~connector.transfer.streams.HostStreams` runs this code on CPU tensors
+(the GPU check's dry run).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from connector.transfer.abstract import Direction, TransferHandler, TransferJob, TransferResult
 from connector.transfer.copy_ops import check_ids, runs
+from connector.transfer.streams import CudaStreams, StreamOps
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _InFlight:
     job: TransferJob
-    start: torch.cuda.Event
-    end: torch.cuda.Event
+    start: Any
+    end: Any
+    ok: bool = True
     keep_alive: list[torch.Tensor] = field(default_factory=list)
 
 
 class CudaTransferHandler(TransferHandler):
-    def __init__(self, engine_kv: dict[str, torch.Tensor], cpu_pool: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, engine_kv: dict[str, torch.Tensor], cpu_pool: dict[str, torch.Tensor], streams: StreamOps | None = None
+    ) -> None:
         if engine_kv.keys() != cpu_pool.keys():
             raise ValueError("engine KV cache and CPU pool must have the same layers")
+        self._ops: StreamOps = CudaStreams() if streams is None else streams
         self._engine = [engine_kv[k] for k in engine_kv]
         self._pool = [cpu_pool[k] for k in engine_kv]
-        if not all(t.is_cuda for t in self._engine):
-            raise ValueError("CudaTransferHandler needs CUDA KV caches")
-        if not all(t.is_pinned() for t in self._pool):
-            raise ValueError("the CPU pool must be in pinned host memory")
+        if self._ops.requires_pinned:
+            if not all(t.is_cuda for t in self._engine):
+                raise ValueError("CudaTransferHandler needs CUDA KV caches")
+            if not all(t.is_pinned() for t in self._pool):
+                raise ValueError("the CPU pool must be in pinned host memory")
         self.device = self._engine[0].device
         self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in self._engine)
-        self._streams = {d: torch.cuda.Stream(self.device) for d in Direction}
+        self._streams = {d: self._ops.new_stream(self.device) for d in Direction}
         self._inflight: dict[Direction, collections.deque[_InFlight]] = {
             d: collections.deque() for d in Direction
         }
 
     def submit(self, job: TransferJob) -> None:
+        stream = self._streams[job.direction]
+        rec = _InFlight(job, self._ops.new_event(), self._ops.new_event())
+        # The copy must see every kernel the engine queued before this call (a store
+        # reads blocks the forward pass just wrote).
+        stream.wait_stream(self._ops.current_stream(self.device))
+        with self._ops.use(stream):
+            rec.start.record(stream)
+            try:
+                self._enqueue(job, rec.keep_alive)
+            except Exception as exc:  # OOM, bad ids, a CUDA error while queueing
+                rec.ok = False
+                log.warning("transfer job %d (%s, %d blocks) failed: %s", job.job_id, job.direction.value,
+                            job.num_blocks, exc)
+            # Recorded even after a failure: whatever was queued before it must finish
+            # before the job is reported (its staging tensors are still referenced).
+            rec.end.record(stream)
+        if job.direction is Direction.LOAD:
+            # Later compute on the default stream must not read blocks before they land.
+            self._ops.current_stream(self.device).wait_event(rec.end)
+        self._inflight[job.direction].append(rec)
+
+    def _enqueue(self, job: TransferJob, keep_alive: list[torch.Tensor]) -> None:
+        """Queue the job's copies on the current stream (the job's own)."""
         gpu_ids = job.src_ids if job.direction is Direction.STORE else job.dst_ids
         pool_ids = job.dst_ids if job.direction is Direction.STORE else job.src_ids
         check_ids(gpu_ids, self._engine[0].shape[0])
         check_ids(pool_ids, self._pool[0].shape[0])
-        stream = self._streams[job.direction]
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        rec = _InFlight(job, start, end)
-        # The copy must see every kernel the engine queued before this call (a store
-        # reads blocks the forward pass just wrote).
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            gpu_idx = torch.from_numpy(gpu_ids).to(self.device, non_blocking=True)
-            pool_runs = runs(pool_ids)
-            rec.keep_alive.append(gpu_idx)
-            for gpu, pool in zip(self._engine, self._pool):
-                if job.direction is Direction.STORE:
-                    staged = gpu.index_select(0, gpu_idx)
-                    for i, j in pool_runs:
-                        a = int(pool_ids[i])
-                        pool[a : a + (j - i)].copy_(staged[i:j], non_blocking=True)
-                else:
-                    staged = torch.empty((job.num_blocks, *gpu.shape[1:]), dtype=gpu.dtype, device=self.device)
-                    for i, j in pool_runs:
-                        a = int(pool_ids[i])
-                        staged[i:j].copy_(pool[a : a + (j - i)], non_blocking=True)
-                    gpu.index_copy_(0, gpu_idx, staged)
-                rec.keep_alive.append(staged)
-            end.record(stream)
-        if job.direction is Direction.LOAD:
-            # Later compute on the default stream must not read blocks before they land.
-            torch.cuda.current_stream(self.device).wait_event(end)
-        self._inflight[job.direction].append(rec)
+        host_idx = torch.from_numpy(gpu_ids)
+        if self._ops.requires_pinned:
+            # From pageable memory the copy would wait for this stream, i.e. for the
+            # engine's compute the job follows: submit would block the engine.
+            host_idx = host_idx.pin_memory()
+        gpu_idx = host_idx.to(self.device, non_blocking=True)
+        pool_runs = runs(pool_ids)
+        keep_alive += (host_idx, gpu_idx)
+        for gpu, pool in zip(self._engine, self._pool):
+            if job.direction is Direction.STORE:
+                staged = gpu.index_select(0, gpu_idx)
+                keep_alive.append(staged)
+                for i, j in pool_runs:
+                    a = int(pool_ids[i])
+                    pool[a : a + (j - i)].copy_(staged[i:j], non_blocking=True)
+            else:
+                staged = torch.empty((job.num_blocks, *gpu.shape[1:]), dtype=gpu.dtype, device=self.device)
+                keep_alive.append(staged)
+                for i, j in pool_runs:
+                    a = int(pool_ids[i])
+                    staged[i:j].copy_(pool[a : a + (j - i)], non_blocking=True)
+                gpu.index_copy_(0, gpu_idx, staged)
 
     def take_finished(self) -> list[TransferResult]:
         out = []
@@ -88,9 +123,8 @@ class CudaTransferHandler(TransferHandler):
             while q and q[0].end.query():
                 rec = q.popleft()
                 seconds = rec.start.elapsed_time(rec.end) / 1000.0
-                out.append(
-                    TransferResult(rec.job.job_id, direction, True, rec.job.num_blocks * self._bytes_per_block, seconds)
-                )
+                nbytes = rec.job.num_blocks * self._bytes_per_block  # as the CPU handler reports
+                out.append(TransferResult(rec.job.job_id, direction, rec.ok, nbytes, seconds))
         return out
 
     def pending(self) -> int:

@@ -32,6 +32,9 @@ class EngineConfig:
     time_model: TimeModel = field(default_factory=TimeModel)
     verify_loads: bool = True  # check every CPU-tier load against recomputation
     data_parallel_rank: int | None = None
+    # Wait for each step's copies before collecting them: events then come in the same
+    # steps whatever the transfer handler's speed (to compare handlers and devices).
+    sync_transfers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "vocab_size"):

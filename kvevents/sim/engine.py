@@ -220,6 +220,8 @@ class PagedEngine:
 
     def _collect_transfers(self) -> None:
         assert self.connector is not None
+        if self.config.sync_transfers:
+            self.connector.wait_for_transfers(timeout=30.0)
         report = self.connector.collect(self._newly_delayed)
         self._newly_delayed = set()
         self.connector.on_worker_report(report)
