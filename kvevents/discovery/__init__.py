@@ -2,7 +2,10 @@
 
 * :mod:`.targets`: a discovered server -> its engines (names, endpoints, ports, ranks).
 * :mod:`.source`: what a source is (:class:`Source`) and shows (:class:`SourceStatus`).
-* :mod:`.dns`: names with several A/AAAA records (a Kubernetes headless Service).
+* :mod:`.dns`: names with several A/AAAA records (a Kubernetes headless Service);
+  :mod:`.dns_srv`: SRV records (host and port per engine). Both ask through
+  :mod:`.dnsquery` (questions, what answers mean), :mod:`.resolvconf` (the system
+  resolver's settings) and report through :mod:`.dnsreport`.
 * :mod:`.k8s`: pods by label selector, listed and watched (the ``k8s`` extra).
 * :mod:`.manager`: :class:`Discovery`, which reconciles each source's desired set into
   the aggregator under the source's origin, with a grace period for vanished engines.
@@ -39,7 +42,8 @@ def port_plan(settings: AggregatorSettings) -> PortPlan:
 
 
 def build_sources(settings: AggregatorSettings) -> list[Source]:
-    """One source per ``discover_dns`` name, and one for ``discover_k8s_selector``.
+    """One source per ``discover_dns`` and ``discover_dns_srv`` name, and one for
+    ``discover_k8s_selector``.
     Raises :class:`DiscoveryConfigError` for a bad value, or when Kubernetes discovery is
     asked for without the ``k8s`` extra installed (the message names the extra)."""
     try:
@@ -56,8 +60,19 @@ def _build(settings: AggregatorSettings) -> list[Source]:
 
         sources += [DnsSource(name, ports, model=settings.discover_model,
                               interval_s=settings.discover_interval_s,
-                              server=settings.dns_server)
+                              server=settings.dns_server, resolv_conf=settings.dns_resolv_conf)
                     for name in dict.fromkeys(settings.discover_dns)]
+    if settings.discover_dns_srv:
+        from kvevents.discovery.dns_srv import DnsSrvSource
+
+        sources += [DnsSrvSource(name, ports, model=settings.discover_model,
+                                 interval_s=settings.discover_interval_s,
+                                 server=settings.dns_server, resolv_conf=settings.dns_resolv_conf,
+                                 replay_name=settings.discover_srv_replay_name,
+                                 http_name=settings.discover_srv_http_name)
+                    for name in dict.fromkeys(settings.discover_dns_srv)]
+    elif settings.discover_srv_replay_name or settings.discover_srv_http_name:
+        raise ValueError("discover-srv-replay-name / discover-srv-http-name: need --discover-dns-srv")
     if settings.discover_k8s_selector:
         from kvevents.discovery.k8s import K8sSource
 

@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from prometheus_client.core import CounterMetricFamily
+
 from kvevents.discovery.source import Source
 from kvevents.engines.spec import EngineSpec
 
@@ -63,6 +65,30 @@ class _Tracked:
         self.given_up = False
 
 
+class _Metrics:
+    """The sources' counters at scrape time (registered only when there are sources):
+    ``kvevents_discovery_errors_total{origin}``, failed rounds (the last set stood), and
+    ``kvevents_discovery_query_failures_total{origin, query, reason}``, DNS questions that
+    got no answer from any server (``query`` A, AAAA, SRV...; ``reason`` refused,
+    servfail, notimp, timeout...), whether or not the round failed."""
+
+    def __init__(self, tracked: dict[str, _Tracked]) -> None:
+        self._tracked = tracked
+
+    def collect(self):
+        errors = CounterMetricFamily("kvevents_discovery_errors", "failed discovery rounds "
+                                     "(the source's last set stood)", labels=["origin"])
+        failures = CounterMetricFamily(
+            "kvevents_discovery_query_failures", "DNS questions of a discovery source that no "
+            "server answered, by kind and reason", labels=["origin", "query", "reason"])
+        for origin, t in self._tracked.items():
+            errors.add_metric([origin], t.source.status.errors)
+            for (query, reason), n in sorted(dict(t.source.status.query_failures).items()):
+                failures.add_metric([origin, query, reason], n)
+        yield errors
+        yield failures
+
+
 class Discovery:
     """See the module docstring. Thread-safe; one per aggregator."""
 
@@ -78,6 +104,7 @@ class Discovery:
         self._lock = threading.Lock()  # one reconcile at a time: emits and the ticker
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._metrics: _Metrics | None = None
         self.reconcile_errors = 0
         self.sources_given_up = 0
         self.added = 0
@@ -98,6 +125,10 @@ class Discovery:
         self._ticker = threading.Thread(target=self._tick_forever, daemon=True,
                                         name="kvevents-discovery-grace")
         self._ticker.start()
+        registry = getattr(self.aggregator, "registry", None)
+        if self._tracked and registry is not None and self._metrics is None:
+            self._metrics = _Metrics(self._tracked)
+            registry.register(self._metrics)
 
     def stop(self, timeout_s: float = 3.0) -> None:
         self._stop.set()
@@ -105,6 +136,9 @@ class Discovery:
         for thread in [t.thread for t in self._tracked.values()] + [self._ticker]:
             if thread is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
+        if self._metrics is not None:  # an app restarted on the same aggregator registers anew
+            self.aggregator.registry.unregister(self._metrics)
+            self._metrics = None
         alive = [t.source.origin for t in self._tracked.values() if t.thread and t.thread.is_alive()]
         if alive:  # daemon threads: they cannot keep the process up, but say so
             log.warning("discovery sources still stopping after %.0fs: %s", timeout_s, alive)

@@ -44,6 +44,9 @@ class SourceStatus:
     last_ok: float | None = None  # wall time of the last successful round
     engines: int = 0  # engines in the last emitted set
     first_round_done: bool = False  # emitted at least once: readiness waits for this
+    # Failed questions by (kind, reason), e.g. ("AAAA", "refused"), counted whether or not
+    # the round failed: kvevents_discovery_query_failures_total.
+    query_failures: dict[tuple[str, str], int] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # source-specific (resource version, relists)
 
     def succeeded(self, engines: int) -> None:

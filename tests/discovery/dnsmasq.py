@@ -1,5 +1,12 @@
 """dnsmasq (Debian package dnsmasq-base) as a real DNS server for the discovery tests:
-answers for ``*.test`` from a hosts file the test rewrites, on 127.0.0.1 and a free port."""
+answers from a hosts file the test rewrites, on 127.0.0.1 and a free port.
+
+Configurations: ``local`` (default True) adds ``--local=/test/``: dnsmasq is then the
+authority for ``*.test``, an unknown name there is NXDOMAIN and a missing family NODATA.
+Without it dnsmasq behaves as a plain forwarder with no upstream: a family it has no
+record for (AAAA of an IPv4-only name), or a name it does not hold, is REFUSED.
+``srv`` adds ``--srv-host`` records (``_SERVICE._PROTO.DOMAIN,TARGET,PORT``);
+``extra`` any other options."""
 
 from __future__ import annotations
 
@@ -11,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import dns.resolver
+import dns.message
+import dns.query
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,42 +46,57 @@ def _closed_udp_port() -> int:
 
 
 class Dnsmasq:
-    """dnsmasq in the foreground, answering for ``*.test`` only from ``hosts``
-    (``--local=/test/``: an unknown name there is NXDOMAIN, anything else REFUSED)."""
+    """dnsmasq in the foreground, answering from ``hosts`` (see the module docstring)."""
 
-    def __init__(self, tmp_path, lines: list[str]) -> None:
-        binary = _require_dnsmasq()
+    def __init__(self, tmp_path, lines: list[str], *, local: bool = True, srv: list[str] = (),
+                 extra: list[str] = ()) -> None:
+        self.binary = _require_dnsmasq()
         self.hosts = tmp_path / "hosts"
         self.log = tmp_path / "dnsmasq.log"
+        self.options = (["--local=/test/"] if local else []) + [f"--srv-host={s}" for s in srv] + list(extra)
         self._write(lines)
         for _ in range(3):  # the free port may be taken between probe and bind
             self.port = _closed_udp_port()
-            self.cmd = [binary, "--keep-in-foreground", "--no-resolv", "--no-hosts",
-                        f"--addn-hosts={self.hosts}", "--local=/test/",
-                        "--listen-address=127.0.0.1", "--bind-interfaces", f"--port={self.port}",
-                        "--pid-file=", "--log-facility=-", "--cache-size=0"]
-            if os.geteuid() == 0:  # root: it would drop to nobody, who cannot read tmp_path
-                self.cmd += ["--user=root", "--group=root"]
-            with open(self.log, "wb") as log:
-                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-            if wait_until(self._answers, 5):
+            if self._start():
                 return
-            self.close()
         raise RuntimeError(f"dnsmasq did not start: {self.cmd}\n{self.log.read_text()}")
+
+    def _start(self) -> bool:
+        self.cmd = [self.binary, "--keep-in-foreground", "--no-resolv", "--no-hosts",
+                    f"--addn-hosts={self.hosts}", *self.options,
+                    "--listen-address=127.0.0.1", "--bind-interfaces", f"--port={self.port}",
+                    "--pid-file=", "--log-facility=-", "--cache-size=0"]
+        if os.geteuid() == 0:  # root: it would drop to nobody, who cannot read tmp_path
+            self.cmd += ["--user=root", "--group=root"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        if wait_until(self._answers, 5):
+            return True
+        self.close()
+        return False
+
+    def restart(self, *, srv: list[str] | None = None, local: bool | None = None) -> None:
+        """The same port, new options (dnsmasq re-reads only its hosts files on SIGHUP)."""
+        self.close()
+        keep = [o for o in self.options if not o.startswith(("--srv-host=", "--local="))]
+        was_local = any(o.startswith("--local=") for o in self.options)
+        srv_opts = ([f"--srv-host={s}" for s in srv] if srv is not None
+                    else [o for o in self.options if o.startswith("--srv-host=")])
+        self.options = (["--local=/test/"] if (was_local if local is None else local) else []) + srv_opts + keep
+        if not wait_until(self._start, 10, 0.2):
+            raise RuntimeError(f"dnsmasq did not restart: {self.cmd}\n{self.log.read_text()}")
 
     @property
     def server(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def _answers(self) -> bool:
+        """Any response at all (NXDOMAIN with --local, REFUSED without) means it is up."""
         if self.proc.poll() is not None:
             return False
-        r = dns.resolver.Resolver(configure=False)
-        r.nameservers, r.port = ["127.0.0.1"], self.port
         try:
-            r.resolve("probe.test", "A", lifetime=0.3)
-        except dns.resolver.NXDOMAIN:
-            return True
+            dns.query.udp(dns.message.make_query("probe.test.", "A"), "127.0.0.1", timeout=0.3,
+                          port=self.port)
         except Exception:
             return False
         return True

@@ -3,11 +3,9 @@ from a hosts file the test rewrites, on 127.0.0.1 and a free port; 127.0.0.x onl
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -15,6 +13,7 @@ from kvevents.discovery.dns import DnsSource, parse_server
 from kvevents.discovery.targets import PortPlan
 
 from dnsmasq import Dnsmasq, _closed_udp_port  # noqa: E402
+from dnsrun import Running, _names, running  # noqa: E402
 from support import wait_until  # noqa: E402  (dnsmasq puts tests/ on the path)
 
 
@@ -25,44 +24,6 @@ def dnsmasq(tmp_path) -> Iterator[Dnsmasq]:
         yield server
     finally:
         server.close()
-
-
-class Running:
-    """``source.run`` on a thread, with every emitted set collected."""
-
-    def __init__(self, source: DnsSource) -> None:
-        self.source, self.sets, self.stop = source, [], threading.Event()
-        self.thread = threading.Thread(target=source.run, args=(self.sets.append, self.stop), daemon=True)
-
-    def last(self, count: int = 1) -> list | None:
-        return self.sets[-1] if len(self.sets) >= count else None
-
-    def wait_for(self, pred: Callable[[list], bool], timeout: float) -> list:
-        start = len(self.sets)  # only sets emitted from now on count
-        assert wait_until(lambda: len(self.sets) > start and pred(self.sets[-1]), timeout), \
-            f"last set: {self.sets[-1] if self.sets else None}; status: {self.source.status}"
-        return self.sets[-1]
-
-    def stop_and_join(self) -> float:
-        self.stop.set()
-        t = time.monotonic()
-        self.thread.join(5)
-        assert not self.thread.is_alive(), "run() did not return after stop"
-        return time.monotonic() - t
-
-
-@contextlib.contextmanager
-def running(source: DnsSource) -> Iterator[Running]:
-    r = Running(source)
-    r.thread.start()
-    try:
-        yield r
-    finally:
-        r.stop_and_join()
-
-
-def _names(specs) -> list[str]:
-    return [s.name for s in specs]
 
 
 @pytest.mark.timeout(20)
