@@ -1,0 +1,261 @@
+"""What the gateway costs per request, with 1 and with N workers: ``kvevents serve``
+between a fast load generator and fast fake OpenAI engines (benchmarks/fake_openai.py).
+
+Two fake engines (one process each: raw asyncio + httptools on uvloop; vLLM-shaped SSE,
+``--chunks`` chunks of 3 tokens, ``/metrics`` gauges, a ZeroMQ publisher with replay
+that publishes nothing, so the index stays empty and every decision is by load) and,
+per side and round, a fresh ``kvevents serve --workers W`` (``--tokenizer`` the demo's
+tiny tokenizer: every chat is rendered and tokenized) in its own session. Workload:
+``--prompts`` chat bodies, one of 8 shared system prompts (~350 tokens) and a unique
+user turn (~260 tokens), streamed with ``stream_options.include_usage``. Phases, in
+this order, on the same server:
+
+* ``cost``: ``--requests`` streamed chats at 16 in flight, the engines pacing one chunk
+  per 2 ms (decode steps): the server's CPU per request, as utime + stime of every
+  process of its session (supervisor and workers, every thread) from ``/proc``;
+* ``rate``: ``--requests`` streamed chats at ``--concurrency`` (32) in flight, engines
+  not pacing: requests/s (on a 2-core box the load generator and the engines share the
+  cores with the server: the figure is the box's, said with the load generator's and
+  the engines' own CPU);
+* ``added``: ``--latency-requests`` one-chunk non-streamed chats, one at a time,
+  alternating through the server and straight to an engine: p50/p99 of each, and
+  the differences.
+
+Every answer is checked byte for byte against what the engine sent (mismatches are
+reported, and fail the run). Sides alternate in rotating order over ``--rounds``;
+medians [min-max] are reported.
+
+    .venv/bin/python benchmarks/bench_gateway_cost.py [--workers 1,2] [--rounds 3] [--requests 2000]
+
+vllm-router is not installed in the project's environment; this benchmark compares our
+gateway with itself (1 worker against N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+from common import machine, median, percentile, print_table, write_json  # noqa: E402
+from kvevents.demo.fleet import free_port  # noqa: E402
+
+FAKE = str(HERE / "fake_openai.py")
+
+
+def session_cpu(sid: int) -> float:
+    """utime + stime of every live process of session ``sid`` (all threads)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of stat: the session id
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def pid_cpu(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bodies(path: Path, tokenizer_dir: Path, n: int, seed: int, step_ms: float,
+           stream: bool, chunks: int) -> int:
+    """``n`` chat bodies, one a line: one of 8 shared system prompts, a unique user turn.
+    Returns the first prompt's token count."""
+    from kvevents.text import TextTokenizer
+
+    tok = TextTokenizer("m", tokenizer_dir)
+    rng = random.Random(seed)
+    vocab = [w for w in open(ROOT / "README.md").read().split() if w.isalpha()]
+    systems = [" ".join(rng.choice(vocab) for _ in range(115)) for _ in range(8)]
+    lines = []
+    for i in range(n):
+        user = f"request {i}: " + " ".join(rng.choice(vocab) for _ in range(85))
+        doc = {"model": "m", "messages": [{"role": "system", "content": systems[i % 8]},
+                                          {"role": "user", "content": user}],
+               "max_tokens": chunks * 3, "stream": stream}
+        if stream:
+            doc["stream_options"] = {"include_usage": True}
+        if step_ms:
+            doc["bench_step_ms"] = step_ms
+        lines.append(json.dumps(doc, separators=(",", ":")))
+    path.write_text("\n".join(lines) + "\n")
+    from kvevents.text.chat import ChatMessage
+    first = json.loads(lines[0])["messages"]
+    return len(tok.encode_chat([ChatMessage(**m) for m in first]))
+
+
+def load(port: int, body_file: Path, requests: int, concurrency: int, chunks: int) -> dict:
+    out = subprocess.run([sys.executable, FAKE, "load", "--port", str(port), "--bodies",
+                          str(body_file), "--requests", str(requests), "--concurrency",
+                          str(concurrency), "--chunks", str(chunks)],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return json.loads(out.stdout)
+
+
+def start_server(workers: int, engines: list[dict], tok_dir: Path, log: Path) -> tuple:
+    port = free_port()
+    args = [sys.executable, "-m", "kvevents.cli", "serve", "--port", str(port), "--workers",
+            str(workers), "--tokenizer", f"m={tok_dir}", "--log-level", "warning"]
+    for i, e in enumerate(engines):
+        args += ["--endpoint", f"e{i}=tcp://127.0.0.1:{e['zmq']},replay=tcp://127.0.0.1:{e['replay']},"
+                               f"model=m,http=http://127.0.0.1:{e['port']}"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with httpx.Client(timeout=2) as c:
+                if c.get(url + "/readyz").status_code == 200:
+                    return proc, port
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"kvevents serve did not become ready; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def run_side(workers: int, engines: list[dict], files: dict, tok_dir: Path, log: Path,
+             args: argparse.Namespace) -> dict:
+    proc, port = start_server(workers, engines, tok_dir, log)
+    try:
+        load(port, files["cost"], 200, 16, args.chunks)  # warm-up: connections, caches
+        out: dict = {"workers": workers}
+        for phase, conc in (("cost", 16), ("rate", args.concurrency)):
+            eng0 = [pid_cpu(e["proc"].pid) for e in engines]
+            cpu0 = session_cpu(proc.pid)
+            got = load(port, files[phase], args.requests, conc, args.chunks)
+            cpu = session_cpu(proc.pid) - cpu0
+            if got["mismatches"]:
+                raise RuntimeError(f"{phase}: {got['mismatches']} answers differ from the engine's")
+            out[phase] = {"server_cpu_ms_per_request": cpu / args.requests * 1e3,
+                          "requests_per_s": args.requests / got["wall_s"],
+                          "loadgen_cpu_ms_per_request": got["cpu_s"] / args.requests * 1e3,
+                          "engines_cpu_ms_per_request": sum(
+                              pid_cpu(e["proc"].pid) - c for e, c in zip(engines, eng0)) / args.requests * 1e3,
+                          "latency_p50_ms": median(got["latencies"]) * 1e3}
+        out["added"] = added_latency(port, engines[0]["port"], files["added"], args)
+        return out
+    finally:
+        stop(proc)
+
+
+def added_latency(port: int, engine_port: int, body_file: Path, args: argparse.Namespace) -> dict:
+    """One-chunk non-streamed chats one at a time, through the server and straight to the
+    engine in alternating blocks of 50 (one load-generator process per block)."""
+    via, direct = [], []
+    for _ in range(max(1, args.latency_requests // 50)):
+        via += load(port, body_file, 50, 1, 1)["latencies"]
+        direct += load(engine_port, body_file, 50, 1, 1)["latencies"]
+    return {"via_p50_ms": median(via) * 1e3, "via_p99_ms": percentile(via, 99) * 1e3,
+            "direct_p50_ms": median(direct) * 1e3, "direct_p99_ms": percentile(direct, 99) * 1e3,
+            "added_p50_ms": (median(via) - median(direct)) * 1e3,
+            "added_p99_ms": (percentile(via, 99) - percentile(direct, 99)) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", default="1,2", help="worker counts to compare, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--latency-requests", type=int, default=300)
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4000)
+    ap.add_argument("--out", default="benchmarks/results/gateway_cost.json")
+    args = ap.parse_args()
+    sides = [int(w) for w in args.workers.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        from kvevents.demo.tiny_model import make_tiny_tokenizer
+        tok_dir = make_tiny_tokenizer(tmp / "tok")
+        files = {"cost": tmp / "cost.jsonl", "rate": tmp / "rate.jsonl", "added": tmp / "added.jsonl"}
+        tokens = bodies(files["cost"], tok_dir, args.prompts, 1, 2.0, True, args.chunks)
+        bodies(files["rate"], tok_dir, args.prompts, 2, 0.0, True, args.chunks)
+        bodies(files["added"], tok_dir, 200, 3, 0.0, False, 1)
+        engines = []
+        for _ in range(2):
+            e = {"port": free_port(), "zmq": free_port(), "replay": free_port()}
+            e["proc"] = subprocess.Popen(
+                [sys.executable, FAKE, "engine", "--port", str(e["port"]), "--zmq-port", str(e["zmq"]),
+                 "--replay-port", str(e["replay"]), "--chunks", str(args.chunks)],
+                cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+            assert e["proc"].stdout.readline().strip() == "ready"
+            engines.append(e)
+        results: dict[int, list[dict]] = {w: [] for w in sides}
+        try:
+            for r in range(args.rounds):
+                order = sides[r % len(sides):] + sides[:r % len(sides)]
+                for w in order:
+                    got = run_side(w, engines, files, tok_dir, tmp / "serve.log", args)
+                    results[w].append(got)
+                    print(f"round {r + 1}, {w} worker(s): {got['rate']['requests_per_s']:.0f} req/s, "
+                          f"{got['cost']['server_cpu_ms_per_request']:.2f} ms CPU/request", flush=True)
+        finally:
+            for e in engines:
+                e["proc"].terminate()
+                e["proc"].wait(10)
+    report(args, sides, results, tokens)
+
+
+def _mr(values: list[float], fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def report(args: argparse.Namespace, sides: list[int], results: dict, tokens: int) -> None:
+    rows = []
+    for w in sides:
+        rs = results[w]
+        rows.append([f"{w} worker(s)",
+                     _mr([x["cost"]["server_cpu_ms_per_request"] for x in rs]),
+                     _mr([x["rate"]["requests_per_s"] for x in rs], "{:.0f}"),
+                     _mr([x["rate"]["server_cpu_ms_per_request"] for x in rs]),
+                     _mr([x["added"]["added_p50_ms"] for x in rs]),
+                     _mr([x["added"]["added_p99_ms"] for x in rs]),
+                     _mr([x["rate"]["loadgen_cpu_ms_per_request"] for x in rs]),
+                     _mr([x["rate"]["engines_cpu_ms_per_request"] for x in rs])])
+    print(f"\n{args.requests} streamed chats of ~{tokens} prompt tokens, {args.chunks} chunks each; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; medians [ranges] of "
+          f"{args.rounds} rounds")
+    print_table(["server", "CPU ms/req (16 in flight, paced)", f"req/s ({args.concurrency} in flight)",
+                 "CPU ms/req (rate)", "added p50 ms", "added p99 ms", "loadgen CPU ms/req",
+                 "engines CPU ms/req"], rows)
+    write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv),
+                          "load_average": os.getloadavg(), "prompt_tokens": tokens,
+                          "results": {str(w): results[w] for w in sides}})
+
+
+if __name__ == "__main__":
+    main()

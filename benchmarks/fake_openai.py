@@ -1,0 +1,243 @@
+"""A fast fake OpenAI engine and a fast load generator, for bench_gateway_cost.py.
+
+Both are raw asyncio protocols with httptools on uvloop, one process each, so the
+benchmark measures the router between them, not them.
+
+The engine (``python fake_openai.py engine --port P --zmq-port Z --replay-port R``):
+``POST /v1/chat/completions`` answers vLLM-shaped: streamed, a ``text/event-stream`` in
+chunked transfer encoding with ``--chunks`` chunks of ``--tokens-per-chunk`` tokens
+(one HTTP chunk each, ``bench_step_ms`` in the body spaces them, as decode steps do),
+the usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``; not
+streamed, one JSON answer. The text is a deterministic function of the request body
+(:func:`answer`), so the load generator checks every byte it gets. ``GET /metrics``
+has vLLM's load gauges; ``GET /v1/models`` and ``GET /health`` answer; a ZeroMQ
+publisher with a replay socket is bound on 127.0.0.1 (no events are published: the
+index stays empty, the routing decision still runs).
+
+The load generator (``python fake_openai.py load --url ... --requests N --concurrency C``)
+keeps C keep-alive connections, each sending its share of the requests one after the
+other, checks each answer against :func:`answer`, and prints one JSON line: wall time,
+latencies, mismatches, its own CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import sys
+import time
+import zlib
+
+import httptools
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+         "rho sigma tau upsilon phi chi psi omega").split()
+
+
+def answer(body: bytes, chunks: int, per_chunk: int) -> tuple[list[bytes], bytes]:
+    """The SSE events of a streamed answer to ``body`` and the non-streamed JSON."""
+    seed = zlib.crc32(body)
+    pieces = [" ".join(WORDS[(seed + i * per_chunk + j) % len(WORDS)] for j in range(per_chunk))
+              for i in range(chunks)]
+    rid = f"chatcmpl-{seed:08x}"
+    events = [f'data: {{"id":"{rid}","object":"chat.completion.chunk","model":"m","choices":'
+              f'[{{"index":0,"delta":{{"role":"assistant","content":""}},"finish_reason":null}}]}}\n\n'.encode()]
+    for i, text in enumerate(pieces):
+        finish = '"length"' if i == chunks - 1 else "null"
+        events.append(f'data: {{"id":"{rid}","object":"chat.completion.chunk","model":"m","choices":'
+                      f'[{{"index":0,"delta":{{"content":"{text}"}},"finish_reason":{finish}}}]}}\n\n'.encode())
+    usage = (f'{{"prompt_tokens":{len(body) // 4},"completion_tokens":{chunks * per_chunk},'
+             f'"total_tokens":{len(body) // 4 + chunks * per_chunk},'
+             f'"prompt_tokens_details":{{"cached_tokens":0}}}}')
+    events.append(f'data: {{"id":"{rid}","object":"chat.completion.chunk","model":"m","choices":[],'
+                  f'"usage":{usage}}}\n\n'.encode())
+    events.append(b"data: [DONE]\n\n")
+    whole = (f'{{"id":"{rid}","object":"chat.completion","model":"m","choices":[{{"index":0,'
+             f'"message":{{"role":"assistant","content":"{" ".join(pieces)}"}},'
+             f'"finish_reason":"length"}}],"usage":{usage}}}').encode()
+    return events, whole
+
+
+class _Engine(asyncio.Protocol):
+    chunks = 64
+    per_chunk = 3
+    running = 0
+
+    def connection_made(self, transport) -> None:
+        self.t = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.body: list[bytes] = []
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.t.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        url, body = self.url, b"".join(self.body)
+        self.url, self.body = b"", []
+        method = self.parser.get_method()
+        if method == b"GET" and url == b"/metrics":
+            m = 'model_name="m"'
+            text = (f"vllm:num_requests_running{{{m}}} {_Engine.running}\n"
+                    f"vllm:num_requests_waiting{{{m}}} 0\nvllm:kv_cache_usage_perc{{{m}}} 0.0\n")
+            return self._plain(200, text.encode(), b"text/plain")
+        if method == b"GET" and url in (b"/health", b"/v1/models"):
+            return self._plain(200, b'{"object":"list","data":[{"id":"m","object":"model"}]}',
+                               b"application/json")
+        if method == b"POST" and url == b"/v1/chat/completions":
+            doc = json.loads(body)
+            events, whole = answer(body, self.chunks, self.per_chunk)
+            if not doc.get("stream"):
+                return self._plain(200, whole, b"application/json")
+            if not (doc.get("stream_options") or {}).get("include_usage"):
+                events = events[:-2] + events[-1:]
+            self.t.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            step = float(doc.get("bench_step_ms", 0)) / 1000
+            _Engine.running += 1
+            if step <= 0:
+                self.t.writelines([b"%x\r\n%s\r\n" % (len(e), e) for e in events] + [b"0\r\n\r\n"])
+                _Engine.running -= 1
+                return
+            self._paced(events, 0, step)
+            return
+        self._plain(404, b'{"error":"not found"}', b"application/json")
+
+    def _paced(self, events: list[bytes], i: int, step: float) -> None:
+        if self.t.is_closing():
+            _Engine.running -= 1
+            return
+        e = events[i]
+        self.t.write(b"%x\r\n%s\r\n" % (len(e), e))
+        if i + 1 == len(events):
+            self.t.write(b"0\r\n\r\n")
+            _Engine.running -= 1
+            return
+        asyncio.get_running_loop().call_later(step, self._paced, events, i + 1, step)
+
+    def _plain(self, status: int, body: bytes, kind: bytes) -> None:
+        self.t.write(b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                     % (status, kind, len(body), body))
+
+
+def run_engine(args: argparse.Namespace) -> None:
+    import uvloop
+
+    from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+
+    _Engine.chunks, _Engine.per_chunk = args.chunks, args.tokens_per_chunk
+    pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{args.zmq_port}",
+                                            replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}"))
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(_Engine, "127.0.0.1", args.port,
+                                                                backlog=1024)
+        print("ready", flush=True)
+        async with server:
+            await server.serve_forever()
+    try:
+        uvloop.run(main())
+    finally:
+        pub.shutdown(0.5)
+
+
+class _Client(asyncio.Protocol):
+    """One keep-alive connection; :meth:`request` sends one and returns its body."""
+
+    def connection_made(self, transport) -> None:
+        self.t = transport
+        self.parser = httptools.HttpResponseParser(self)
+        self.done: asyncio.Future | None = None
+        self.body: list[bytes] = []
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body, self.body = b"".join(self.body), []
+        if self.done is not None and not self.done.done():
+            self.done.set_result((self.parser.get_status_code(), body))
+
+    def connection_lost(self, exc) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("closed"))
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        self.done = asyncio.get_running_loop().create_future()
+        self.t.write(raw)
+        return await self.done
+
+
+def chat_request(host: str, port: int, body: bytes) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), port, len(body), body))
+
+
+def run_load(args: argparse.Namespace) -> None:
+    import uvloop
+
+    bodies = [line.encode() for line in open(args.bodies).read().splitlines()]
+    host, port = args.host, args.port
+    lat: list[float] = []
+    bad = [0]
+
+    async def worker(k: int) -> None:
+        loop = asyncio.get_running_loop()
+        _, client = await loop.create_connection(_Client, host, port)
+        for i in range(k, args.requests, args.concurrency):
+            body = bodies[i % len(bodies)]
+            events, whole = answer(body, args.chunks, args.tokens_per_chunk)
+            t0 = time.perf_counter()
+            status, got = await client.request(chat_request(host, port, body))
+            lat.append(time.perf_counter() - t0)
+            if status != 200 or got != (b"".join(events) if b'"stream":true' in body else whole):
+                bad[0] += 1
+
+    async def main() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(k) for k in range(args.concurrency)))
+        return time.perf_counter() - t0
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    wall = uvloop.run(main())
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+    print(json.dumps({"wall_s": wall, "latencies": lat, "mismatches": bad[0], "cpu_s": cpu}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("engine")
+    e.add_argument("--port", type=int, required=True)
+    e.add_argument("--zmq-port", type=int, required=True)
+    e.add_argument("--replay-port", type=int, required=True)
+    for p in (e, load := sub.add_parser("load")):
+        p.add_argument("--chunks", type=int, default=64)
+        p.add_argument("--tokens-per-chunk", type=int, default=3)
+    load.add_argument("--host", default="127.0.0.1")
+    load.add_argument("--port", type=int, required=True)
+    load.add_argument("--bodies", required=True, help="file of request bodies, one a line")
+    load.add_argument("--requests", type=int, required=True)
+    load.add_argument("--concurrency", type=int, required=True)
+    args = ap.parse_args()
+    (run_engine if args.cmd == "engine" else run_load)(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
