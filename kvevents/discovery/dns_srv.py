@@ -135,9 +135,10 @@ class DnsSrvSource(DnsSource):
                 out[target] = list(found.records("A")) + list(found.records("AAAA"))
             elif found.state == "failed" and target in self._last_addresses:
                 out[target] = self._last_addresses[target]  # keep it: an outage, not a departure
-        for rdtype, outcomes in verdicts.items():  # a family's verdict: a failure if any failed
-            failed = [o for o in outcomes if o.kind == "failed"]
-            self._report.record(rdtype, failed[-1] if failed else outcomes[-1], count=False)
+        for rdtype, outcomes in verdicts.items():  # a family's verdict over the targets:
+            # a failure if any failed, else an answer if any answered
+            ranked = sorted(outcomes, key=lambda o: (o.kind == "failed", o.kind == "answer"))
+            self._report.record(rdtype, ranked[-1], count=False)
         self._last_addresses = {t: a for t, a in out.items() if a}
         return out, partial
 
