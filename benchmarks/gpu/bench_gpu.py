@@ -88,10 +88,12 @@ def overlap(device: torch.device, mib: int) -> dict:
         return e0, e1
 
     try:
-        store()
-        e0, e1 = matmuls(4)
+        store()  # warm-up, the store's and cuBLAS's
+        matmuls(2)
         torch.cuda.synchronize(device)
-        per_mm = e0.elapsed_time(e1) / 4 / 1000
+        e0, e1 = matmuls(8)
+        torch.cuda.synchronize(device)
+        per_mm = e0.elapsed_time(e1) / 8 / 1000
         t_store = min(store() for _ in range(3))
         k = max(1, round(t_store / per_mm))
         e0, e1 = matmuls(k)

@@ -1,12 +1,16 @@
-"""Transfer handler for CUDA KV caches: pinned host pool, one stream per direction.
+"""Transfer handler for CUDA KV caches: pinned host pool, two streams per direction.
 
-A store waits (on its stream) for the compute stream's work so far, gathers the blocks
-on the GPU with one ``index_select`` into a contiguous staging tensor, then copies
-device->host run by run into the pinned pool (runs of consecutive pool rows, usually
-few). A load does the reverse: host->device runs into staging, then one
-``index_copy_`` into the KV cache. Each job records a CUDA event; ``take_finished()``
-polls events per direction in submission order, so completions are reported in order.
-Staging tensors are kept referenced by their job until its event has completed.
+A store waits for the compute stream's work so far, then, layer by layer, gathers the
+blocks on the GPU with one ``index_select`` into a contiguous staging tensor (on the
+direction's kernel stream) and copies it device->host run by run into the pinned pool
+(runs of consecutive pool rows, usually few; on the direction's copy stream). A load
+does the reverse: host->device runs into staging (copy stream), then one ``index_copy_``
+per layer into the KV cache (kernel stream). The two streams pipeline the layers: layer
+i+1's gather runs while layer i crosses PCIe, so the copy engine is never idle waiting
+for a kernel (serialised, the gathers cost a store about 10% of a plain copy's speed).
+Each job records an end event on the stream that finishes it; ``take_finished()`` polls
+those per direction in submission order, so completions are reported in order. Staging
+tensors are kept referenced by their job until its end event has completed.
 
 Failure: ``submit`` never raises for a job. Ids out of range, an out-of-memory staging
 allocation or any other error while queueing the copies makes the job a failed result
@@ -61,37 +65,44 @@ class CudaTransferHandler(TransferHandler):
                 raise ValueError("the CPU pool must be in pinned host memory")
         self.device = self._engine[0].device
         self._bytes_per_block = sum(t[0].numel() * t.element_size() for t in self._engine)
-        self._streams = {d: self._ops.new_stream(self.device) for d in Direction}
+        # Per direction: (copy stream: PCIe transfers, kernel stream: gathers / scatters).
+        self._streams = {d: (self._ops.new_stream(self.device), self._ops.new_stream(self.device)) for d in Direction}
         self._inflight: dict[Direction, collections.deque[_InFlight]] = {
             d: collections.deque() for d in Direction
         }
 
     def submit(self, job: TransferJob) -> None:
-        stream = self._streams[job.direction]
+        copy, kernel = self._streams[job.direction]
         rec = _InFlight(job, self._ops.new_event(), self._ops.new_event())
         # The copy must see every kernel the engine queued before this call (a store
-        # reads blocks the forward pass just wrote).
-        stream.wait_stream(self._ops.current_stream(self.device))
-        with self._ops.use(stream):
-            rec.start.record(stream)
-            try:
-                self._enqueue(job, rec.keep_alive)
-            except Exception as exc:  # OOM, bad ids, a CUDA error while queueing
-                rec.ok = False
-                log.warning("transfer job %d (%s, %d blocks) failed: %s", job.job_id, job.direction.value,
-                            job.num_blocks, exc)
-            # Recorded even after a failure: whatever was queued before it must finish
-            # before the job is reported (its staging tensors are still referenced).
-            rec.end.record(stream)
+        # reads blocks the forward pass just wrote; a load overwrites blocks it may
+        # still have been reading).
+        compute = self._ops.current_stream(self.device)
+        copy.wait_stream(compute)
+        kernel.wait_stream(compute)
+        last = copy if job.direction is Direction.STORE else kernel
+        rec.start.record(kernel)
+        try:
+            self._enqueue(job, copy, kernel, rec.keep_alive)
+        except Exception as exc:  # OOM, bad ids, a CUDA error while queueing
+            rec.ok = False
+            log.warning("transfer job %d (%s, %d blocks) failed: %s", job.job_id, job.direction.value,
+                        job.num_blocks, exc)
+        # Recorded even after a failure: whatever was queued before it must finish
+        # before the job is reported (its staging tensors are still referenced).
+        last.wait_stream(copy if last is kernel else kernel)
+        rec.end.record(last)
         if job.direction is Direction.LOAD:
             # Later compute on the default stream must not read blocks before they land.
-            self._ops.current_stream(self.device).wait_event(rec.end)
+            compute.wait_event(rec.end)
         self._inflight[job.direction].append(rec)
 
-    def _enqueue(self, job: TransferJob, keep_alive: list[torch.Tensor]) -> None:
-        """Queue the job's copies on the current stream (the job's own)."""
-        gpu_ids = job.src_ids if job.direction is Direction.STORE else job.dst_ids
-        pool_ids = job.dst_ids if job.direction is Direction.STORE else job.src_ids
+    def _enqueue(self, job: TransferJob, copy: Any, kernel: Any, keep_alive: list[torch.Tensor]) -> None:
+        """Queue the job's gathers / scatters on ``kernel`` and its PCIe copies on ``copy``,
+        layer by layer, each side waiting for the other's event of the same layer."""
+        store = job.direction is Direction.STORE
+        gpu_ids = job.src_ids if store else job.dst_ids
+        pool_ids = job.dst_ids if store else job.src_ids
         check_ids(gpu_ids, self._engine[0].shape[0])
         check_ids(pool_ids, self._pool[0].shape[0])
         host_idx = torch.from_numpy(gpu_ids)
@@ -99,23 +110,31 @@ class CudaTransferHandler(TransferHandler):
             # From pageable memory the copy would wait for this stream, i.e. for the
             # engine's compute the job follows: submit would block the engine.
             host_idx = host_idx.pin_memory()
-        gpu_idx = host_idx.to(self.device, non_blocking=True)
+        with self._ops.use(kernel):
+            gpu_idx = host_idx.to(self.device, non_blocking=True)
         pool_runs = runs(pool_ids)
         keep_alive += (host_idx, gpu_idx)
+        first, second = (kernel, copy) if store else (copy, kernel)
         for gpu, pool in zip(self._engine, self._pool):
-            if job.direction is Direction.STORE:
-                staged = gpu.index_select(0, gpu_idx)
+            with self._ops.use(first):
+                if store:
+                    staged = gpu.index_select(0, gpu_idx)
+                else:
+                    staged = torch.empty((job.num_blocks, *gpu.shape[1:]), dtype=gpu.dtype, device=self.device)
+                    for i, j in pool_runs:
+                        a = int(pool_ids[i])
+                        staged[i:j].copy_(pool[a : a + (j - i)], non_blocking=True)
                 keep_alive.append(staged)
-                for i, j in pool_runs:
-                    a = int(pool_ids[i])
-                    pool[a : a + (j - i)].copy_(staged[i:j], non_blocking=True)
-            else:
-                staged = torch.empty((job.num_blocks, *gpu.shape[1:]), dtype=gpu.dtype, device=self.device)
-                keep_alive.append(staged)
-                for i, j in pool_runs:
-                    a = int(pool_ids[i])
-                    staged[i:j].copy_(pool[a : a + (j - i)], non_blocking=True)
-                gpu.index_copy_(0, gpu_idx, staged)
+                ready = self._ops.new_event()
+                ready.record(first)
+            second.wait_event(ready)
+            with self._ops.use(second):
+                if store:
+                    for i, j in pool_runs:
+                        a = int(pool_ids[i])
+                        pool[a : a + (j - i)].copy_(staged[i:j], non_blocking=True)
+                else:
+                    gpu.index_copy_(0, gpu_idx, staged)
 
     def take_finished(self) -> list[TransferResult]:
         out = []
@@ -134,6 +153,9 @@ class CudaTransferHandler(TransferHandler):
         deadline = None if timeout is None else time.monotonic() + timeout
         for q in self._inflight.values():
             for rec in list(q):
+                if deadline is None:
+                    rec.end.synchronize()  # no polling delay when the caller will wait anyway
+                    continue
                 while not rec.end.query():
                     if deadline is not None and time.monotonic() > deadline:
                         return False

@@ -40,7 +40,7 @@ class StreamOps(Protocol):
     def current_stream(self, device: torch.device) -> Any: ...
 
     def new_event(self) -> Any:
-        """A timed event: ``record(stream)``, ``query()``, ``elapsed_time(end)`` (ms)."""
+        """A timed event: ``record(stream)``, ``query()``, ``synchronize()``, ``elapsed_time(end)`` (ms)."""
 
     def use(self, stream: Any) -> ContextManager[Any]:
         """Make ``stream`` current for the kernels queued inside the block."""
@@ -77,6 +77,9 @@ class _HostEvent:
 
     def query(self) -> bool:
         return True
+
+    def synchronize(self) -> None:
+        pass
 
     def elapsed_time(self, end: "_HostEvent") -> float:
         return (end.t - self.t) * 1000.0
