@@ -16,8 +16,10 @@ of the events port:
   after ``_PORTNAME._PROTO``;
 * its replay and HTTP ports: with ``replay_name`` / ``http_name``
   (``--discover-srv-replay-name kv-replay``), the port of the SRV record
-  ``_kv-replay._PROTO.DOMAIN`` with the same target; a target without one, or without
-  the option, uses the port flags (``--discover-replay-port``, ``--discover-http-port``).
+  ``_kv-replay._PROTO.DOMAIN`` with the same target (a target with several engines pairs
+  its records in port order: the lowest events port with the lowest replay port); an
+  engine without one, or without the option, uses the port flags
+  (``--discover-replay-port``, ``--discover-http-port``).
 
 What answers do (as :mod:`~kvevents.discovery.dns`): NXDOMAIN/NODATA for the SRV name
 is the empty set; a failed SRV question (or a failed replay/HTTP SRV question) fails
@@ -98,8 +100,8 @@ class DnsSrvSource(DnsSource):
                 return Round(None, error=self._errors())
             ttls.append(found.ttl)
             role_ports[role] = {}
-            for target, port, _, _ in found.records("SRV"):
-                role_ports[role].setdefault(target, port)
+            for target, port, _, _ in sorted(found.records("SRV"), key=lambda r: r[1]):
+                role_ports[role].setdefault(target, []).append(port)
         records = [r for r in main.records("SRV") if r[0] != "."]
         addresses, partial = self._addresses(main, records, ttls, stop)
         if stop.is_set():
@@ -142,6 +144,13 @@ class DnsSrvSource(DnsSource):
         self._last_addresses = {t: a for t, a in out.items() if a}
         return out, partial
 
+    @staticmethod
+    def _paired(role_ports: dict[str, dict[str, list[int]]], role: str, target: str, i: int,
+                default: int | None) -> int | None:
+        """The ``i``-th (in port order) ``role`` port of ``target``, else ``default``."""
+        ports = role_ports.get(role, {}).get(target, [])
+        return ports[i] if i < len(ports) else default
+
     def _errors(self) -> str:
         return "; ".join(f"{self.name}: {f}" for f in self._report.failing())
 
@@ -150,18 +159,20 @@ class DnsSrvSource(DnsSource):
         specs: list[EngineSpec] = []
         skipped: list[str] = []
         seen: set[tuple[str, int]] = set()
+        rank: dict[str, int] = {}  # a target's records so far, in port order
         for target, port, _, _ in sorted(records, key=lambda r: (r[0], r[1])):
             if (target, port) in seen:
                 continue
             seen.add((target, port))
+            i = rank[target] = rank.get(target, -1) + 1
             ips = sorted({ipaddress.ip_address(a) for a in addresses.get(target, [])},
                          key=lambda ip: (ip.version, ip))
             if not ips:
                 skipped.append(f"{target}:{port}: no address")
                 continue
             address = str(ips[0])
-            replay = role_ports.get("replay", {}).get(target, self.ports.replay)
-            http = role_ports.get("http", {}).get(target, self.ports.http)
+            replay, http = (self._paired(role_ports, role, target, i, default)
+                            for role, default in (("replay", self.ports.replay), ("http", self.ports.http)))
             try:
                 plan = PortPlan(events=port, replay=replay, http=http, dp_size=self.ports.dp_size)
                 specs.extend(engine_specs(f"{name_for_address(self._prefix, address)}:{port}", address,

@@ -35,8 +35,8 @@ def queries(src) -> dict:
 @pytest.mark.parametrize("local", [True, False], ids=["local", "no-local"])
 def test_srv_records_give_hosts_and_ports(tmp_path, local):
     """Three records, two on one host: three engines, each on its own events port;
-    replay ports from the _kv-replay SRV records where a target has one, else the flag;
-    HTTP ports from the flag."""
+    replay ports from the _kv-replay SRV records (e1's one record pairs with its lowest
+    events port), else the flag; HTTP ports from the flag."""
     replay = ["_kv-replay._tcp.vllm.test,e1.vllm.test,7001"]
     dns = Dnsmasq(tmp_path, HOSTS, local=local, srv=RECORDS + replay)
     src = srv_source(dns.server, replay_name="kv-replay", ports=PortPlan(replay=5558, http=8000))
@@ -50,7 +50,7 @@ def test_srv_records_give_hosts_and_ports(tmp_path, local):
     assert _names(specs) == ["vllm-127.0.0.2:6001", "vllm-127.0.0.2:6002", "vllm-127.0.0.3:6003"]
     assert [(s.endpoint, s.replay_endpoint, s.http) for s in specs] == [
         ("tcp://127.0.0.2:6001", "tcp://127.0.0.2:7001", "http://127.0.0.2:8000"),
-        ("tcp://127.0.0.2:6002", "tcp://127.0.0.2:7001", "http://127.0.0.2:8000"),
+        ("tcp://127.0.0.2:6002", "tcp://127.0.0.2:5558", "http://127.0.0.2:8000"),
         ("tcp://127.0.0.3:6003", "tcp://127.0.0.3:5558", "http://127.0.0.3:8000")]
     assert queries(src)["SRV"] == ("answer", None) and queries(src)["replay SRV"] == ("answer", None)
     assert src.status.errors == 0 and src.status.extra["resolved_name"] == f"{SRV}."
