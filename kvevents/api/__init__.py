@@ -59,7 +59,7 @@ def create_app(
             api_key=settings.api_key, timeout_s=settings.request_timeout_s,
             max_inflight=settings.max_inflight, poll_interval_s=settings.engine_poll_interval_s,
             busy_poll_interval_s=settings.engine_poll_busy_interval_s,
-            max_prompt_tokens=settings.max_prompt_tokens)
+            max_prompt_tokens=settings.max_prompt_tokens, max_prompt_chars=settings.max_prompt_chars)
         await app.state.gateway.start()
         try:
             yield
@@ -76,6 +76,7 @@ def create_app(
                     "KV events.",
         lifespan=lifespan,
     )
+    app.state.settings = settings  # read by the server's protocol (connection limits)
     install_error_handlers(app)
     install_body_schemas(app)
     # Built now, not in the lifespan: a bad value or a missing extra stops startup

@@ -2,7 +2,9 @@
 
 A declared ``Content-Length`` over the limit is answered 413 at once; a chunked body is
 counted as it streams and cut off with 413 when it passes the limit. The answer has the
-API's error shape, or OpenAI's on the OpenAI endpoints (``openai_paths``).
+API's error shape, or OpenAI's on the OpenAI endpoints (``openai_paths``), and closes the
+connection (``connection: close``): the rest of the body is not read, and a kept
+connection would have had to read and discard it all before its next request.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ class BodySizeLimit:
             body = json.dumps({"error": message, "field": None}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 

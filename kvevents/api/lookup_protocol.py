@@ -33,15 +33,11 @@ from __future__ import annotations
 
 import logging
 
+from kvevents.api.conn_guard import ConnLimits, GuardedHttpProtocol, HttpToolsProtocol, guarded_class
 from kvevents.api.fastpath import common_lookup, encode_answer
 from kvevents.routing.offloop import lookup_now
 
 log = logging.getLogger(__name__)
-
-try:  # uvicorn's compiled-parser protocol (httptools is a dependency)
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:  # pragma: no cover - an install without httptools
-    HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 _PATH = b"/v1/lookup"
 _HEAD = b"HTTP/1.1 200 OK\r\n"
@@ -50,20 +46,29 @@ _USED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_c
          "shutdown", "data_received")
 
 
-def protocol_class(app) -> type | None:
+def protocol_class(app, limits: ConnLimits | None = None, *, lookup: bool = True) -> type | None:
     """The protocol class uvicorn should make connections with (``Config(http=...)``)
     for ``app`` (its ``state.aggregator``, with the body and prompt limits of its
-    settings, is read per request), or None when the installed uvicorn is not one this
+    settings, is read per request), with the connection limits ``limits``
+    (:mod:`~kvevents.api.conn_guard`; default: its defaults); ``lookup`` False: the limits
+    only, every lookup through the app. None when the installed uvicorn is not one this
     was written against."""
+    if not lookup:
+        return guarded_class(app, limits or ConnLimits())
     if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED):
         log.warning("uvicorn's httptools protocol is not the expected one: lookups go "
                     "through the ASGI app")
         return None
-    return type("LookupHttpProtocol", (LookupHttpProtocol,), {"lookup_app": app})
+    cls = guarded_class(app, limits or ConnLimits(), LookupHttpProtocol)
+    if cls is not None:
+        cls.lookup_app = app
+    return cls
 
 
-class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
-    """See the module docstring; made per app by :func:`protocol_class`."""
+class LookupHttpProtocol(GuardedHttpProtocol):
+    """See the module docstring; made per app by :func:`protocol_class`. Its connections
+    have :class:`~kvevents.api.conn_guard.GuardedHttpProtocol`'s timeouts and cap; a
+    lookup held here marks its head and body done for them as uvicorn's cycle would."""
 
     lookup_app = None
     #: The body of a lookup being held here, as it came (None: the request is uvicorn's);
@@ -82,6 +87,7 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
             self._agg = getattr(self.lookup_app.state, "aggregator", None)
             if self._agg is not None:  # else the app is not started: it answers
                 self._held, self._held_size = [], 0
+                self._head_done()
                 return
         self._held = None
         super().on_headers_complete()
@@ -101,6 +107,7 @@ class LookupHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         if held is None:
             super().on_message_complete()
             return
+        self._message_done()
         try:
             answer = self._answer(b"".join(held))  # one piece: that piece, not a copy
         except Exception:  # a fault here must still get the app's error answer

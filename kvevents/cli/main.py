@@ -123,6 +123,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                            "answer (default: {default})")
     p.add_argument("--max-inflight", type=int, default=None, dest="max_inflight",
                    help="proxied requests in flight before 503 (default: {default})")
+    p.add_argument("--max-prompt-chars", type=int, default=None, metavar="CHARS",
+                   help="longest prompt text the gateway tokenizes; longer: 400 before "
+                        "tokenizing (default: {default})")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="HTTP connections open at once; past it the one waiting longest for "
+                        "its request head is closed (default: {default})")
+    p.add_argument("--header-timeout", type=float, default=None, dest="header_timeout_s",
+                   metavar="SECONDS", help="seconds a request's head may take to arrive "
+                                           "(default: {default})")
+    p.add_argument("--body-timeout", type=float, default=None, dest="body_timeout_s",
+                   metavar="SECONDS", help="seconds a request's body may go without a byte "
+                                           "(default: {default})")
     p.add_argument("--route-load-weight", type=float, default=None, metavar="W",
                    help="routing: weight of an engine's load against the share of the prompt "
                         "it caches; higher balances more, keeps fewer cache hits (default: {default})")
@@ -241,6 +253,8 @@ def _serve(args: argparse.Namespace) -> int:
             snapshot_interval_s=args.snapshot_interval_s, bootstrap_from=args.bootstrap_from,
             tokenizers=args.tokenizer, api_key=args.api_key,
             request_timeout_s=args.request_timeout_s, max_inflight=args.max_inflight,
+            max_prompt_chars=args.max_prompt_chars, max_connections=args.max_connections,
+            header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
             engine_poll_interval_s=args.engine_poll_interval_s,
             engine_poll_busy_interval_s=args.engine_poll_busy_interval_s,
             route_load_weight=args.route_load_weight, route_max_imbalance=args.route_max_imbalance,

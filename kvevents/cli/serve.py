@@ -16,6 +16,7 @@ import uvicorn
 
 from kvevents.api import create_app
 from kvevents.api.lookup_protocol import protocol_class
+from kvevents.api.conn_guard import ConnLimits
 from kvevents.discovery import DiscoveryConfigError
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerLoadError
@@ -75,11 +76,17 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def uvicorn_config(app, *, lookup_in_protocol: bool = True, **options) -> uvicorn.Config:
+def uvicorn_config(app, *, lookup_in_protocol: bool = True, limits: ConnLimits | None = None,
+                   **options) -> uvicorn.Config:
     """uvicorn's configuration for the aggregator's ``app``: common lookups answered in
     its HTTP protocol, before the ASGI cycle (:mod:`kvevents.api.lookup_protocol`),
-    unless ``lookup_in_protocol`` is false. ``options`` go to ``uvicorn.Config``."""
-    http = (protocol_class(app) if lookup_in_protocol else None) or "auto"
+    unless ``lookup_in_protocol`` is false; connections under ``limits``
+    (:mod:`kvevents.api.conn_guard`: head and body timeouts, a connection cap; default:
+    those of the app's settings, else the defaults). ``options`` go to ``uvicorn.Config``."""
+    if limits is None:
+        settings = getattr(getattr(app, "state", None), "settings", None)
+        limits = ConnLimits.from_settings(settings) if settings is not None else ConnLimits()
+    http = protocol_class(app, limits, lookup=lookup_in_protocol) or "auto"
     return uvicorn.Config(app, http=http, **options)
 
 

@@ -14,6 +14,9 @@ kvevents_gateway_reported_cached_tokens_total  what the engine reported
                                                for the same requests {engine, model_name}
 kvevents_gateway_usage_reports_total           requests whose answer carried cached_tokens
 kvevents_gateway_untokenized_total             prompts routed by load alone (no ids)
+kvevents_gateway_connections_closed_total      HTTP connections the server closed on a
+                                               hostile client {reason: header_timeout,
+                                               body_timeout, evicted, over_capacity}
 =============================================  =============================================
 
 Labels as on every per-engine series: ``engine`` (the followed engine's name) and
@@ -54,6 +57,11 @@ class GatewayMetrics:
                                 ["engine", "model_name"], registry=registry)
         self.usage_reports = Counter("kvevents_gateway_usage_reports_total", "Answers that "
                                      "reported cached tokens", ["engine", "model_name"], registry=registry)
+        self.connections_closed = Counter(
+            "kvevents_gateway_connections_closed_total", "HTTP connections closed by the server: "
+            "a request head or body too slow, or too many connections", ["reason"], registry=registry)
+        for reason in ("header_timeout", "body_timeout", "evicted", "over_capacity"):
+            self.connections_closed.labels(reason)
         self.untokenized = Counter("kvevents_gateway_untokenized_total", "Prompts routed by load "
                                    "alone: no token ids", registry=registry)
 

@@ -62,7 +62,18 @@ _messages = msgspec.json.Decoder(list[dict[str, Any]])
 
 def parse_request(kind: str, body: bytes) -> OpenAIRequest:
     """Read a chat or completions body; raises :class:`OpenAIError` (400) naming the field.
-    Token-id prompts are read by msgspec into a list of ints (no Python per token)."""
+    Token-id prompts are read by msgspec into a list of ints (no Python per token).
+    Invalid UTF-8 in a string and JSON nested past msgspec's depth limit (anywhere, in an
+    unknown field too) are 400s, not the decoder's own exceptions."""
+    try:
+        return _parse(kind, body)
+    except UnicodeDecodeError:
+        raise OpenAIError(400, "request body is not valid UTF-8") from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
+
+
+def _parse(kind: str, body: bytes) -> OpenAIRequest:
     try:
         doc = _body.decode(body)
     except msgspec.ValidationError as exc:

@@ -4,7 +4,12 @@ engines' load, forwarded byte for byte, streamed back, and accounted.
 Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 
 1. the bearer token (``api_key``), then the concurrency bound (``max_inflight``: past
-   it, 503 with ``Retry-After``), then the body (:mod:`.prompt`: model, stream, prompt);
+   it, 503 with ``Retry-After``): the request holds its slot from here, before its body
+   is read, to its answer's last byte (a streamed answer's :class:`~.relay.Relay` gives
+   it back); then the body (:mod:`.prompt`: model, stream, prompt; a client that leaves
+   while sending it is a 499), and its prompt's length in characters
+   (``max_prompt_chars``, checked before tokenizing: an oversized prompt costs no
+   tokenizer memory);
 2. the targets: followed engines with an ``http`` URL serving the model, reachable
    (:mod:`.load`); none: 503 with ``Retry-After``;
 3. the prompt's token ids, the session pin (``x-session-id``: a conversation stays on
@@ -14,8 +19,9 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 4. the body sent unchanged to the engine. A refused connection, or a 5xx before the
    first byte, is sent once more to the next choice (``kvevents_gateway_retries_total``);
    after the first byte nothing is retried;
-5. the answer streamed back unchanged. A client that goes away closes the upstream
-   request (vLLM then aborts it); so does ``timeout_s`` without an answer.
+5. the answer streamed back unchanged (:mod:`.relay`). A client that goes away, at any
+   moment from its body's end to the answer's last byte, closes the upstream request
+   (vLLM then aborts it); so does ``timeout_s`` without an answer.
 
 Every request ends in exactly one ``kvevents_gateway_requests_total`` sample, and the
 decision is logged at debug level and published on the feed (``route``). Lifecycle:
@@ -32,20 +38,20 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
-import anyio
 import httpx
 import numpy as np
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from kvevents.engines import EngineSpec
-from kvevents.gateway.answers import (answer_headers, cached_tokens, expected_cached, is_complete,
+from kvevents.gateway.answers import (answer_headers, cached_tokens, expected_cached,
                                       stream_cached_tokens)
-from kvevents.gateway.errors import OpenAIError, error_body
+from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.inflight import InflightPrompts
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
+from kvevents.gateway.relay import Relay
 from kvevents.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamPool,
                                        UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router
@@ -58,7 +64,6 @@ PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
          "te", "trailer", "proxy-authorization", "accept-encoding", "expect"}
 _SESSIONS = 100_000  # conversations remembered (least recently used forgotten first)
-_USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
 
 
 class Gateway:
@@ -67,7 +72,8 @@ class Gateway:
     def __init__(self, router: Router, tokenizers: TokenizerRegistry, metrics: GatewayMetrics, *,
                  api_key: str | None = None, timeout_s: float = 600.0, max_inflight: int = 1024,
                  poll_interval_s: float = 1.0, busy_poll_interval_s: float | None = 1.0,
-                 prefill_tokens_per_request: int = 2048, max_prompt_tokens: int = 1_000_000) -> None:
+                 prefill_tokens_per_request: int = 2048, max_prompt_tokens: int = 1_000_000,
+                 max_prompt_chars: int = 4_000_000) -> None:
         self.router = router
         self.aggregator = router.aggregator
         self.tokenizers = tokenizers
@@ -78,10 +84,11 @@ class Gateway:
         self.poll_interval_s = poll_interval_s
         self.busy_poll_interval_s = busy_poll_interval_s  # while routing (see load.py)
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_chars = max_prompt_chars
         self.loads = EngineLoads(prefill_tokens_per_request)
         self.flights = InflightPrompts()  # prompts sent and not finished, per engine
         self.sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self.inflight = 0
+        self.inflight = 0  # requests holding a slot (admitted, last byte not yet sent)
         self.client: httpx.AsyncClient | None = None  # polls, /tokenize, /v1/models
         self.upstream = UpstreamPool()  # the proxied requests themselves
         self.tokens: PromptTokens | None = None
@@ -144,25 +151,48 @@ class Gateway:
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def handle(self, request: Request, kind: str) -> Response:
-        """One OpenAI request; never raises (errors are OpenAI-shaped answers)."""
+        """One OpenAI request; never raises (errors are OpenAI-shaped answers). Its slot
+        is taken before the body is read (a body sent late cannot slip past the bound)
+        and given back when the answer's last byte is sent: here for every answer but a
+        streamed one, by its :class:`Relay` for that."""
         t0 = time.perf_counter()
         try:
             self.check_key(request)
             if self.inflight >= self.max_inflight:
                 raise OpenAIError(503, f"the gateway has {self.inflight} requests in flight "
                                        "(max_inflight); retry shortly", headers={"Retry-After": "1"})
-            req = parse_request(kind, await request.body())
         except OpenAIError as exc:
             self.metrics.requests.labels("", "", str(exc.status)).inc()
             return exc.response()
         self.inflight += 1
+        relayed = False
+        req: OpenAIRequest | None = None
         try:
-            return await self._serve(request, req, t0)
+            try:
+                body = await request.body()
+            except ClientDisconnect:  # left mid-upload (or timed out by the server)
+                raise OpenAIError(499, "client closed the request while sending its body") from None
+            req = parse_request(kind, body)
+            self._check_chars(req)
+            response = await self._serve(request, req, t0)
+            relayed = isinstance(response, Relay)
+            return response
         except OpenAIError as exc:
-            self.metrics.requests.labels("", req.model or "", str(exc.status)).inc()
+            self.metrics.requests.labels("", (req.model if req else None) or "", str(exc.status)).inc()
             return exc.response()
         finally:
-            self.inflight -= 1
+            if not relayed:
+                self.inflight -= 1
+
+    def _check_chars(self, req: OpenAIRequest) -> None:
+        """400 for a prompt longer than ``max_prompt_chars`` characters, before it is
+        rendered or tokenized (the tokenizer's memory grows with the text: ~150 MB per
+        million characters)."""
+        chars = prompt_chars(req)
+        if chars > self.max_prompt_chars:
+            raise OpenAIError(400, f"prompt has {chars} characters; the limit is "
+                                   f"{self.max_prompt_chars} (max_prompt_chars)",
+                              "messages" if req.kind == CHAT else "prompt")
 
     async def _serve(self, request: Request, req: OpenAIRequest, t0: float) -> Response:
         model = self._model_of(req)
@@ -177,7 +207,11 @@ class Gateway:
                               headers={"Retry-After": "2"})
         by_name = {s.name: s for s in reachable}
         assert self.tokens is not None
-        ids = await self.tokens.ids(req, reachable[0].http)
+        try:
+            ids = await self.tokens.ids(req, reachable[0].http)
+        except Exception:  # noqa: BLE001 - routing must never be why a request fails
+            log.exception("tokenizing a %s request failed; routing it by load alone", req.kind)
+            ids = None
         if ids is None:
             self.metrics.untokenized.inc()
         elif len(ids) > self.max_prompt_tokens:
@@ -215,7 +249,7 @@ class Gateway:
                         engine.name, retry)
             tried.add(engine.name)
             if isinstance(upstream, UpstreamResponse):
-                await upstream.aclose()
+                upstream.close()
         if isinstance(upstream, Exception):
             self._finished(engine.name, prefill)
             status = 504 if isinstance(upstream, UpstreamTimeout) else 502
@@ -225,7 +259,7 @@ class Gateway:
         if session:
             self._pin(session, engine.name)
         if req.stream and upstream.status_code < 400:
-            return self._stream(request, upstream, engine.name, model, predicted, prefill, t0)
+            return self._stream(upstream, engine.name, model, predicted, prefill, t0)
         return await self._whole(request, upstream, engine.name, model, predicted, prefill, t0)
 
     def _model_of(self, req: OpenAIRequest) -> str | None:
@@ -277,14 +311,13 @@ class Gateway:
         try:
             done, _ = await asyncio.wait((send, gone), timeout=self.timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this request's task cancelled: nobody reads the answer
+            _abandon(send)
+            raise
         finally:
             gone.cancel()
         if send not in done:
-            send.cancel()
-            try:
-                await send
-            except BaseException:  # noqa: BLE001 (cancelled on purpose; its own error is moot)
-                pass
+            _abandon(send)
             if gone in done:
                 raise OpenAIError(499, "client closed the request")
             return UpstreamTimeout(f"no answer within {self.timeout_s:g} s")
@@ -348,8 +381,7 @@ class Gateway:
                 error = OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")
         finally:
             gone.cancel()
-            with anyio.CancelScope(shield=True):
-                await upstream.aclose()
+            upstream.close()
             self._finished(engine, prefill)
         if error is not None:
             self._count(engine, model, error.status, t0, None)
@@ -360,61 +392,22 @@ class Gateway:
         self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
         return Response(body, status_code=status, headers=answer_headers(upstream, engine))
 
-    def _stream(self, request: Request, upstream: UpstreamResponse, engine: str, model: str | None,
-                predicted: int, prefill: tuple, t0: float) -> StreamingResponse:
-        """A streamed answer, passed through chunk by chunk as the engine sends it."""
+    def _stream(self, upstream: UpstreamResponse, engine: str, model: str | None,
+                predicted: int, prefill: tuple, t0: float) -> Relay:
+        """A streamed answer, relayed as the engine sends it; the relay's end releases
+        the request's slot and load and counts it (see :mod:`.relay`)."""
         m = model or ""
 
-        async def chunks() -> AsyncIterator[bytes]:
-            tail = b""
-            status = upstream.status_code
-            first = True
-            # Watched here, not only by Starlette: its own watch missed a few disconnects
-            # (about 3 in 60 under uvicorn 0.54), and a stream to a dead socket goes on
-            # until the engine finishes, which is what closing the upstream must prevent.
-            gone = asyncio.ensure_future(_disconnected(request))
-            reader = upstream.aiter_raw().__aiter__()
-            read: asyncio.Future | None = None
-            try:
-                while True:
-                    read = asyncio.ensure_future(reader.__anext__())
-                    await asyncio.wait((read, gone), return_when=asyncio.FIRST_COMPLETED)
-                    if not read.done():
-                        read.cancel()
-                        if not is_complete(tail):
-                            status = 499
-                        break
-                    try:
-                        chunk = read.result()
-                    except StopAsyncIteration:
-                        break
-                    if first:
-                        self.metrics.ttft.labels(m).observe(time.perf_counter() - t0)
-                        first = False
-                    tail = (tail + chunk)[-_USAGE_TAIL:]
-                    yield chunk
-            except UpstreamError as exc:
-                # The engine broke off: say so in the stream, in OpenAI's shape (the
-                # official client raises on it), instead of ending as if complete.
-                status = 502
-                log.warning("engine %s broke off a streamed answer: %s", engine, exc)
-                yield b"data: " + error_body(502, f"engine {engine} broke off its answer: {exc}") + b"\n\n"
-            except BaseException:  # the client went away (Starlette cancels the stream)
-                if not is_complete(tail):
-                    status = 499
-                raise
-            finally:
-                gone.cancel()
-                if read is not None and not read.done():
-                    read.cancel()  # (Starlette cancelled us mid-wait)
-                with anyio.CancelScope(shield=True):  # close the upstream even when cancelled
-                    await upstream.aclose()
-                self._finished(engine, prefill)
-                cached = stream_cached_tokens(tail) if status < 400 else None
-                self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+        def first() -> None:
+            self.metrics.ttft.labels(m).observe(time.perf_counter() - t0)
 
-        return StreamingResponse(chunks(), status_code=upstream.status_code,
-                                 headers=answer_headers(upstream, engine))
+        def end(status: int, tail: bytes) -> None:
+            self.inflight -= 1
+            self._finished(engine, prefill)
+            cached = stream_cached_tokens(tail) if status < 400 else None
+            self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+
+        return Relay(upstream, answer_headers(upstream, engine), engine, first, end)
 
     # -- models -----------------------------------------------------------------------------
 
@@ -443,6 +436,35 @@ class Gateway:
                                    "owned_by": "kvevents"})
         return Response(json.dumps({"object": "list", "data": list(data.values())}),
                         media_type="application/json")
+
+
+def prompt_chars(req: OpenAIRequest) -> int:
+    """Characters of a request's prompt text: a completion's string prompt, or the text of
+    every chat message (string contents and the text of content parts). One step per
+    message, not per character."""
+    if req.kind != CHAT:
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    total = 0
+    for message in req.messages or ():
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
+def _abandon(send: asyncio.Future) -> None:
+    """Cancel a send whose answer nobody will read; if it still returns one (it was
+    completing as the cancel came), that answer is closed, not leaked."""
+    send.cancel()
+    send.add_done_callback(_close_answer)
+
+
+def _close_answer(send: asyncio.Future) -> None:
+    if not send.cancelled() and send.exception() is None:
+        send.result().close()
 
 
 async def _disconnected(request: Request) -> None:

@@ -23,8 +23,14 @@ answer that is malformed, or a connection that closes before the answer's end, r
 after). A pooled connection the engine closed while idle (its keep-alive timeout) is
 detected before reuse; if the engine closes it just as the request goes out (nothing
 answered), the request is sent once more on a new connection. Timeouts are the
-caller's (``asyncio.wait``/``wait_for`` around these calls); a cancelled ``send`` or read
-closes its connection.
+caller's (``asyncio.wait``/``asyncio.timeout`` around these calls); a cancelled ``send`` or
+read closes its connection, and a connection whose opening is cancelled is closed, never
+handed back (``asyncio.wait_for`` on Python 3.11 could return it when the cancel landed
+as the connect completed, and nobody owned it). :meth:`UpstreamResponse.close` (sync)
+closes the engine's stream at once and wakes a reader waiting for more.
+
+Memory: at most :data:`_HIGH_WATER` bytes of an answer are buffered before reading from
+the engine pauses (a client that reads slowly pauses the engine, not the gateway's RSS).
 """
 
 from __future__ import annotations
@@ -37,11 +43,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamConnectError", "UpstreamError", "UpstreamPool", "UpstreamProtocolError",
-           "UpstreamResponse", "UpstreamTimeout"]
+__all__ = ["UpstreamClosed", "UpstreamConnectError", "UpstreamError", "UpstreamPool",
+           "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout"]
 
-_HIGH_WATER = 1 << 20  # bytes buffered from an engine before reading pauses
-_LOW_WATER = 1 << 18
+# Bytes buffered from an engine before reading pauses. Small: an SSE chunk is ~100-300
+# bytes, so 64 KiB still holds hundreds of them, and a slow reader costs the process
+# this much, not 1 MiB (100 slow streams kept ~100 MB that the allocator did not give back).
+_HIGH_WATER = 1 << 16
+_LOW_WATER = 1 << 14
 
 
 class UpstreamError(Exception):
@@ -58,6 +67,10 @@ class UpstreamProtocolError(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     """No (more of the) answer within the caller's time limit."""
+
+
+class UpstreamClosed(UpstreamError):
+    """The answer was closed by the gateway (its client left) before its end."""
 
 
 class UpstreamResponse:
@@ -99,6 +112,10 @@ class UpstreamResponse:
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked transfer decoded, content untouched)."""
         while True:
+            if self._closed:
+                if self._complete:
+                    return
+                raise self._error or UpstreamClosed("the answer was closed")
             if self._chunks:
                 data = self._chunks.popleft()
                 self._buffered -= len(data)
@@ -119,12 +136,24 @@ class UpstreamResponse:
         return b"".join([chunk async for chunk in self.aiter_raw()])
 
     async def aclose(self) -> None:
+        """Done with the answer (see :meth:`close`)."""
+        self.close()
+
+    def close(self) -> None:
         """Done with the answer: its connection goes back to the pool if the answer
-        ended cleanly and the engine keeps it alive, else it is closed."""
+        ended cleanly and was read whole and the engine keeps it alive; else it is closed
+        now (the engine sees the connection end and aborts the request), and a reader
+        waiting for more gets :class:`UpstreamClosed`. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._conn.release(reuse=self._complete and not self._chunks)
+        reuse = self._complete and not self._chunks
+        self._chunks.clear()
+        self._buffered = 0
+        if not self._complete and self._error is None:
+            self._error = UpstreamClosed("the answer was closed before its end")
+        self._wake()
+        self._conn.release(reuse=reuse)
 
 
 class _Connection(asyncio.Protocol):
@@ -267,14 +296,25 @@ class UpstreamPool:
         if tls and self._ssl is None:
             self._ssl = ssl.create_default_context()
         loop = asyncio.get_running_loop()
+        made: list[_Connection] = []
+
+        def factory() -> _Connection:
+            made.append(_Connection(self, key))
+            return made[-1]
+
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: _Connection(self, key), host, port, ssl=self._ssl if tls else None),
-                self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {host}:{port}: "
-                                       f"{exc or type(exc).__name__}") from None
-        return conn
+            # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands as the
+            # connect completes and return the connection to a caller already gone.
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.create_connection(factory, host, port, ssl=self._ssl if tls else None)
+        except BaseException as exc:
+            for conn in made:  # opened, but nobody will use it
+                conn.close()
+            if isinstance(exc, (OSError, TimeoutError)):
+                raise UpstreamConnectError(f"cannot connect to {host}:{port}: "
+                                           f"{exc or type(exc).__name__}") from None
+            raise
+        return made[-1]
 
     def _pooled(self, key: tuple) -> _Connection | None:
         idle = self._idle.get(key)

@@ -219,6 +219,19 @@ class AggregatorSettings(BaseSettings):
                                                               "for (more of) its answer")
     max_inflight: int = Field(1024, ge=1, description="proxied requests in flight before the "
                                                       "gateway answers 503")
+    # Hostile clients: the longest prompt text tokenized (characters, checked before the
+    # tokenizer's memory is spent), HTTP connections open at once (past it the one waiting
+    # longest for its request head is closed), and how long a request's head may take
+    # and its body may go without a byte.
+    max_prompt_chars: int = Field(4_000_000, ge=1, description="gateway: longest prompt text, in "
+                                  "characters, it tokenizes (longer: 400 before tokenizing)")
+    max_connections: int = Field(4096, ge=1, description="HTTP connections open at once; past "
+                                 "it the one waiting longest for its request head is closed "
+                                 "(none waiting: the new one gets 503)")
+    header_timeout_s: float = Field(10.0, gt=0, description="seconds a request's head may take "
+                                    "to arrive, from its first byte or the connection's opening")
+    body_timeout_s: float = Field(30.0, gt=0, description="seconds a request's body may go "
+                                  "without a byte arriving")
     # The KV-aware policy's trade of cache against load (kvevents.routing.policies), for
     # POST /v1/route and the gateway alike.
     route_load_weight: float = Field(

@@ -1,0 +1,197 @@
+"""uvicorn's HTTP/1.1 protocol with read timeouts and a connection cap, for
+``kvevents serve``: a client that trickles its request (slowloris) or opens connections by
+the thousand cannot hold the server's files and memory.
+
+uvicorn arms no timer before a request is complete: its keep-alive timer runs only
+between requests and is cancelled by the first byte of the next one, so a connection
+that sends one byte of a head every few seconds, or a body one byte at a time, was held
+as long as the client kept its socket. Here:
+
+* **head**: a request's head must arrive whole within ``header_timeout_s`` of the
+  connection's opening, or of its first byte on a kept-alive connection (idle between
+  requests is uvicorn's keep-alive timeout); past it the connection is answered 408
+  and closed;
+* **body**: a request's body may go at most ``body_timeout_s`` without a byte arriving
+  (not counting while the server itself is not reading it); past it the connection is
+  closed, and the app sees its client gone (the gateway counts a 499);
+* **connections**: past ``max_connections`` open at once, the connection that has waited
+  longest for a request head (a trickling head, or an idle kept-alive one) is closed to
+  make room; when every connection has a request in progress, the new one is answered
+  503 and closed. Well-behaved clients, whose heads arrive at once, are never the ones
+  closed while a slow one is open.
+
+Every close is counted (``kvevents_gateway_connections_closed_total{reason}``). Cost on
+the common path: a request that arrives in one packet arms no timer at all; one that
+spans packets arms one timer.
+
+Lifecycle: one instance per connection, made by uvicorn; :func:`guarded_class` makes the
+class for one app and its limits. It relies on ``HttpToolsProtocol``'s ``connection_made``,
+``data_received``, ``on_headers_complete``, ``on_message_complete``,
+``on_response_complete``, ``connection_lost`` and its ``loop``, ``transport``,
+``connections``, ``pipeline`` and ``flow`` attributes (checked by :func:`guarded_class`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+try:  # uvicorn's compiled-parser protocol (httptools is a dependency)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # pragma: no cover - an install without httptools
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+__all__ = ["ConnLimits", "GuardedHttpProtocol", "guarded_class"]
+
+_USED = ("connection_made", "data_received", "on_headers_complete", "on_message_complete",
+         "on_response_complete", "connection_lost")
+
+
+@dataclass(frozen=True)
+class ConnLimits:
+    """The limits (see the module docstring); the settings of the same names."""
+
+    max_connections: int = 4096
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+
+    @classmethod
+    def from_settings(cls, settings) -> "ConnLimits":
+        return cls(settings.max_connections, settings.header_timeout_s, settings.body_timeout_s)
+
+
+def _answer(status: bytes, message: bytes) -> bytes:
+    body = b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":null}}' % message
+    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body))
+
+
+_TIMEOUT = _answer(b"408 Request Timeout", b"the request head did not arrive in time")
+_BUSY = _answer(b"503 Service Unavailable", b"too many connections; retry shortly")
+
+
+def guarded_class(app, limits: ConnLimits, base: type | None = None) -> type | None:
+    """The protocol class for ``app`` with ``limits`` (``base``: a subclass of
+    :class:`GuardedHttpProtocol` to specialise), or None when the installed uvicorn
+    lacks what it relies on (uvicorn's own protocol then runs, without these limits)."""
+    if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED):
+        log.warning("uvicorn's httptools protocol is not the expected one: no header/body "
+                    "timeouts or connection cap")
+        return None
+    base = base or GuardedHttpProtocol
+    return type(base.__name__, (base,), {"guard_app": app, "limits": limits})
+
+
+class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
+    """See the module docstring; made per app by :func:`guarded_class`."""
+
+    guard_app = None
+    limits = ConnLimits()
+    _timer: asyncio.TimerHandle | None = None
+    #: Loop time since which the connection waits for a request head (None: a request
+    #: is in progress, from its head to its response's end).
+    _head_since: float | None = None
+    _in_body = False  # the head is in, the body is still arriving
+    _body_seen = 0.0  # loop time of the last bytes while _in_body
+
+    # -- uvicorn's protocol ------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_since = self.loop.time()
+        if len(self.connections) > self.limits.max_connections and not self._make_room():
+            self._close("over_capacity", _BUSY)
+            return
+        self._timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Timers only for a request that spans packets: none for one that came whole.
+        if self._timer is None and not self.transport.is_closing():
+            if self._in_body:
+                self._body_seen = self.loop.time()
+                self._timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timeout)
+            elif self._head_since is not None:
+                self._timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timeout)
+        elif self._in_body:
+            self._body_seen = self.loop.time()
+
+    def on_headers_complete(self) -> None:
+        self._head_done()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._message_done()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)
+        super().on_response_complete()
+        if not pipelined and not self.transport.is_closing():
+            self._head_since = self.loop.time()  # idle: uvicorn's keep-alive timer runs
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._head_since = None
+        self._in_body = False
+        super().connection_lost(exc)
+
+    # -- the guard's own ---------------------------------------------------------------------
+
+    def _head_done(self) -> None:
+        """A request's head is in: its body (if any) follows."""
+        self._disarm()
+        self._head_since = None
+        self._in_body = True
+
+    def _message_done(self) -> None:
+        self._in_body = False
+        self._disarm()
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timeout(self) -> None:
+        self._timer = None
+        if self._head_since is not None and not self.transport.is_closing():
+            self._close("header_timeout", _TIMEOUT)
+
+    def _body_timeout(self) -> None:
+        self._timer = None
+        if not self._in_body or self.transport.is_closing():
+            return
+        idle = self.loop.time() - self._body_seen
+        if self.flow.read_paused:  # the server is not reading it now: not the client's delay
+            self._body_seen, idle = self.loop.time(), 0.0
+        if idle < self.limits.body_timeout_s:
+            self._timer = self.loop.call_later(self.limits.body_timeout_s - idle, self._body_timeout)
+            return
+        self._close("body_timeout")
+
+    def _make_room(self) -> bool:
+        """Close the connection that has waited longest for a request head (not this
+        one); False when every other connection has a request in progress."""
+        victim, oldest = None, None
+        for conn in self.connections:
+            since = getattr(conn, "_head_since", None)
+            if conn is not self and since is not None and (oldest is None or since < oldest):
+                victim, oldest = conn, since
+        if victim is None:
+            return False
+        victim._close("evicted")
+        return True
+
+    def _close(self, reason: str, answer: bytes | None = None) -> None:
+        self._disarm()
+        self._head_since = None
+        if answer is not None:
+            self.transport.write(answer)
+        self.transport.close()
+        gateway = getattr(getattr(self.guard_app, "state", None), "gateway", None)
+        if gateway is not None:
+            gateway.metrics.connections_closed.labels(reason).inc()

@@ -1,0 +1,209 @@
+"""A fast fake OpenAI engine for the hostile-client tests and ``bench_hostile_clients.py``:
+raw asyncio + httptools, vLLM-shaped SSE, ``/metrics`` gauges, and a count of the answers
+it is streaming now (what a hostile client must not leave open on an engine).
+
+Answers ``POST /v1/chat/completions`` and ``/v1/completions``: ``max_tokens`` chunks
+(default 64), one every ``fake_interval_ms`` (default 2), each padded to
+``fake_chunk_bytes`` (default: a short vLLM-like chunk); streamed when ``"stream": true``
+(with a usage chunk and ``[DONE]``), else one JSON answer. A stream counts as *open*
+from its request until its last byte is written or its connection is lost (the gateway
+closed it). It stops writing while the gateway's socket is full (backpressure) and
+resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``GET /stats``:
+``{"open", "peak", "started", "finished", "aborted"}``.
+
+Several engines (one per port) run on one event loop and are counted together. Run in
+a thread (:class:`EngineThread`, for tests) or as a process (``python
+tests/hostile_engine.py --port P [--port P2]``, for the benchmark). 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+
+import httptools
+
+_METRICS = (b"vllm:num_requests_waiting 0\nvllm:num_requests_running %d\n"
+            b"vllm:kv_cache_usage_perc 0.1\n")
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.open = self.peak = self.started = self.finished = self.aborted = 0
+
+    def as_dict(self) -> dict:
+        return {"open": self.open, "peak": self.peak, "started": self.started,
+                "finished": self.finished, "aborted": self.aborted}
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+        self.streaming = False  # an answer is being written
+        self.paused = False
+        self.pending: list = []  # the next step, held while the socket is full
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.streaming:
+            self.streaming = False
+            self.stats.open -= 1
+            self.stats.aborted += 1
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.pending:
+            step, self.pending = self.pending[0], []
+            step()
+
+    def on_message_begin(self) -> None:
+        self.url, self.body = b"", []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        method = self.parser.get_method()
+        if method == b"GET" and self.url.startswith(b"/metrics"):
+            self._reply(200, b"text/plain", _METRICS % self.stats.open)
+        elif method == b"GET" and self.url == b"/stats":
+            self._reply(200, b"application/json", json.dumps(self.stats.as_dict()).encode())
+        elif method == b"GET" and self.url == b"/v1/models":
+            self._reply(200, b"application/json", b'{"object":"list","data":[{"id":"fake"}]}')
+        elif method == b"POST" and self.url in (b"/v1/chat/completions", b"/v1/completions"):
+            try:
+                doc = json.loads(b"".join(self.body))
+            except ValueError:
+                doc = {}
+            self._answer(doc if isinstance(doc, dict) else {})
+        else:
+            self._reply(404, b"application/json", b'{"error":"not found"}')
+
+    def _reply(self, status: int, ctype: bytes, body: bytes) -> None:
+        self.transport.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, ctype, len(body), body))
+
+    def _answer(self, doc: dict) -> None:
+        n = int(doc.get("max_tokens") or 64)
+        interval = float(doc.get("fake_interval_ms", 2)) / 1000
+        pad = int(doc.get("fake_chunk_bytes", 0))
+        text = "abc" + "x" * max(0, pad - 120)
+        chunk = b"data: " + json.dumps({"id": "cmpl-1", "object": "chat.completion.chunk",
+                                        "choices": [{"index": 0, "delta": {"content": text}}]}
+                                       ).encode() + b"\n\n"
+        if not doc.get("stream"):
+            body = json.dumps({"id": "cmpl-1", "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text * n}}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": 10 + n,
+                          "prompt_tokens_details": {"cached_tokens": 0}}}).encode()
+            self._reply(200, b"application/json", body)
+            return
+        self.stats.open += 1
+        self.stats.started += 1
+        self.stats.peak = max(self.stats.peak, self.stats.open)
+        self.streaming = True
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+        loop = asyncio.get_running_loop()
+        left = [n]
+
+        def step() -> None:
+            self.timer = None
+            if not self.streaming or self.transport.is_closing():
+                return
+            if self.paused:
+                self.pending = [step]
+                return
+            if left[0] > 0:
+                left[0] -= 1
+                self.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.timer = loop.call_later(interval, step)
+                return
+            end = (b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":10,'
+                   b'"completion_tokens":%d,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
+                   b"data: [DONE]\n\n" % n)
+            self.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(end), end))
+            self.streaming = False
+            self.stats.open -= 1
+            self.stats.finished += 1
+
+        self.timer = loop.call_later(interval, step)
+
+
+async def serve(ports: list[int], stats: Stats, started: threading.Event | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve on every port of ``ports`` (one engine each, counted together in ``stats``)."""
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(lambda: _Conn(stats), "127.0.0.1", port, backlog=4096)
+               for port in ports]
+    if started is not None:
+        started.set()
+    try:
+        await (asyncio.Event().wait() if stop is None else stop.wait())
+    finally:
+        for server in servers:
+            server.close()
+
+
+class EngineThread:
+    """Fake engines on one event loop thread, one per port of ``ports``, counted together
+    in ``stats`` (read live: their sum, so ``peak`` is the fleet's)."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+        self.urls = [f"http://127.0.0.1:{p}" for p in ports]
+        self.stats = Stats()
+        self._started = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("the fake engine did not start")
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            await serve(self.ports, self.stats, self._started, self._stop)
+        asyncio.run(main())
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(5)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="a fake OpenAI engine (127.0.0.1)")
+    ap.add_argument("--port", type=int, action="append", required=True, help="repeatable")
+    a = ap.parse_args()
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(a.port, Stats()))

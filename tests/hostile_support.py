@@ -1,0 +1,134 @@
+"""A real ``kvevents serve`` process in front of fake engines (:mod:`hostile_engine`),
+with what the hostile-client tests and ``benchmarks/bench_hostile_clients.py`` read of
+it: its open files, its RSS, its metrics and its log. 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from hostile_engine import EngineThread
+from support import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def chat_body(stream: bool = True, n: int = 64, **extra) -> bytes:
+    return json.dumps({"model": "fake", "stream": stream, "max_tokens": n, "messages": [
+        {"role": "user", "content": "hello there"}], **extra}).encode()
+
+
+def raw_request(port: int, body: bytes, path: str = "/v1/chat/completions",
+                headers: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{headers}\r\n").encode() + body
+
+
+def connect(port: int, timeout: float = 10.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def reset(s: socket.socket) -> None:
+    """Close with an RST (SO_LINGER 0), as a client that crashes does."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    s.close()
+
+
+class GatewayProcess:
+    """``kvevents serve`` following ``engines`` (their OpenAI URLs; no event streams),
+    with ``args`` added. Use as a context manager."""
+
+    def __init__(self, engines: list[str], *args: str, log_level: str = "info") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="kvevents-hostile-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1", "--port",
+               str(self.port), "--log-level", log_level]
+        for i, url in enumerate(engines):
+            cmd += ["--endpoint", f"e{i}=tcp://127.0.0.1:{free_port()},model=fake,http={url}"]
+        cmd += list(args)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True)
+        self.n_engines = len(engines)
+
+    def __enter__(self) -> "GatewayProcess":
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvevents serve exited: {self.log_text()[-3000:]}")
+            try:
+                engines = httpx.get(self.url + "/v1/engines", timeout=2).json()["engines"]
+                if len(engines) == self.n_engines and all(e["gateway"]["reachable"] for e in engines):
+                    return self
+            except (httpx.HTTPError, KeyError, TypeError, ValueError):
+                pass
+            time.sleep(0.1)
+        self.close()
+        raise RuntimeError("the gateway never saw its engines reachable")
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def cpu_s(self) -> float:
+        """utime + stime of the process (all its threads), from /proc."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+
+def engines(n: int) -> EngineThread:
+    """``n`` fake engines on one thread, counted together (``.urls``, ``.stats``)."""
+    return EngineThread([free_port() for _ in range(n)])
+
+
+def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
