@@ -1,0 +1,192 @@
+"""Hostile requests against the gateway, with real sockets: a real ``kvevents serve``
+process in front of fake engines (:mod:`hostile_engine`), a fresh one per test.
+
+* malformed bodies (invalid UTF-8, JSON nested 10,000 deep, a 7.9 MB prompt, a declared
+  100 MB body, a client that leaves mid-upload): each an OpenAI-shaped 4xx within 2 s with
+  little memory (the prompt's characters are checked before tokenizing), the connection
+  closed after a 413, a client gone mid-upload a counted 499 and no traceback;
+* slowloris: connections that trickle a head or a body are closed by the head and body
+  timeouts (and, past ``--max-connections``, make room for new ones), while well-behaved
+  requests keep being answered quickly; the process's files come back once the attacker
+  goes silent.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from hostile_support import GatewayProcess, chat_body, connect, engines, raw_request, reset, wait_for
+from text_tokenizer import build_bytelevel, require_transformers
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> pathlib.Path:
+    require_transformers()
+    return build_bytelevel(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def fleet():
+    es = engines(2)
+    yield es
+    es.close()
+
+
+def _response(s: socket.socket, timeout: float = 5.0) -> tuple[int, dict, bytes]:
+    s.settimeout(timeout)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        got = s.recv(65536)
+        assert got, f"connection closed before a response: {buf!r}"
+        buf += got
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    size = int(headers.get("content-length", 0))
+    while len(body) < size:
+        got = s.recv(65536)
+        assert got, "connection closed inside a body"
+        body += got
+    return int(lines[0].split()[1]), headers, body
+
+
+def _closed(s: socket.socket, timeout: float) -> bool:
+    """Whether the server closes ``s`` within ``timeout`` (whatever it sends first is read)."""
+    s.settimeout(timeout)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except OSError:  # timed out
+        return False
+
+
+def _openai_error(status: int, body: bytes) -> dict:
+    assert 400 <= status < 500, (status, body[:300])
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+def _message(content: bytes) -> bytes:
+    return b'{"model":"fake","stream":true,"messages":[{"role":"user","content":' + content + b"}]}"
+
+
+def test_malformed_bodies_are_4xx_quickly_with_little_memory(fleet, tokenizer):
+    deep = b"[" * 10_000 + b"]" * 10_000
+    words = b"The cache holds key and value tensors for every token the model has seen. "
+    huge = _message(b'"' + words * (7_900_000 // len(words)) + b'"')
+    assert len(huge) < 8 << 20  # under the body limit: the prompt's own limit must refuse it
+    bodies = {
+        "invalid UTF-8 in a message": (_message(b'"caf\xc3 \xff\xfe"'), "messages"),
+        "nested 10,000 deep under an unknown field": (
+            b'{"model":"fake","x":' + deep + b',"messages":[{"role":"user","content":"hi"}]}', None),
+        "nested 10,000 deep in a message": (_message(deep), None),
+        "a 7.9 MB prompt": (huge, "messages"),
+    }
+    with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}") as g:
+        rss0 = g.rss_mb()
+        for what, (body, _) in bodies.items():
+            s = connect(g.port)
+            t = time.monotonic()
+            s.sendall(raw_request(g.port, body))
+            status, _, answer = _response(s)
+            took = time.monotonic() - t
+            s.close()
+            err = _openai_error(status, answer)
+            assert took < 2, (what, took)
+            assert g.rss_mb() - rss0 < 200, (what, g.rss_mb(), rss0)
+            if what == "a 7.9 MB prompt":
+                assert "characters" in err["message"] and err["param"] == "messages", err
+
+        # A declared 100 MB body: 413 at once, and the connection closed (the rest not read).
+        s = connect(g.port)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 104857600\r\n\r\n" + b"x" * 65536)
+        t = time.monotonic()
+        status, headers, answer = _response(s)
+        assert status == 413 and headers.get("connection") == "close", headers
+        _openai_error(status, answer)
+        assert _closed(s, 2) and time.monotonic() - t < 2
+        s.close()
+
+        # A client that leaves mid-upload: a counted 499, not a traceback.
+        before = g.metric("kvevents_gateway_requests_total", status="499")
+        for close in (socket.socket.close, reset):
+            s = connect(g.port)
+            body = chat_body(False)
+            s.sendall(raw_request(g.port, body)[:-len(body) // 2])
+            time.sleep(0.2)
+            close(s)
+        assert wait_for(lambda: g.metric("kvevents_gateway_requests_total", status="499") == before + 2, 5)
+        # The gateway still answers, and nothing reached an engine.
+        r = httpx.post(g.url + "/v1/chat/completions", content=chat_body(False, 4), timeout=10)
+        assert r.status_code == 200, r.text
+        assert fleet.stats.started == 0  # the one good request was not streamed
+        log = g.log_text()
+        assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
+
+
+def _trickle(socks: list[socket.socket], data: list[bytes], stop: threading.Event, every: float) -> None:
+    """Send each socket's data one byte every ``every`` seconds until ``stop``."""
+    pos = [0] * len(socks)
+    while not stop.wait(every):
+        for i, s in enumerate(socks):
+            if pos[i] < len(data[i]):
+                try:
+                    s.send(data[i][pos[i]:pos[i] + 1])
+                    pos[i] += 1
+                except OSError:
+                    pos[i] = len(data[i])  # closed by the server
+
+
+def test_slowloris_connections_are_closed_and_good_clients_still_served(fleet, tokenizer):
+    with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}", "--header-timeout", "1",
+                        "--body-timeout", "1", "--max-connections", "60") as g:
+        fds0 = g.fds()
+        heads, bodies = [], []
+        for _ in range(80):  # trickle a head
+            heads.append(connect(g.port))
+        for _ in range(20):  # a whole head, then a 1 MB body a byte at a time
+            s = connect(g.port)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: 1048576\r\n\r\n{")
+            bodies.append(s)
+        stop = threading.Event()
+        data = [raw_request(g.port, chat_body(False))] * len(heads) + [b'"x":' * 1000] * len(bodies)
+        attacker = threading.Thread(target=_trickle, args=(heads + bodies, data, stop, 0.2), daemon=True)
+        attacker.start()
+        latencies, statuses = [], []
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:  # well-behaved requests meanwhile, one connection each
+            s = connect(g.port)
+            t = time.monotonic()
+            s.sendall(raw_request(g.port, chat_body(False, 2), headers="connection: close\r\n"))
+            status, _, _ = _response(s)
+            latencies.append(time.monotonic() - t)
+            statuses.append(status)
+            s.close()
+            time.sleep(0.02)
+        stop.set()  # the attacker goes silent, its sockets still open
+        attacker.join(5)
+        assert set(statuses) == {200}, statuses
+        latencies.sort()
+        assert latencies[int(0.99 * (len(latencies) - 1))] < 0.25, latencies[-5:]
+        assert all(_closed(s, 3) for s in heads + bodies)  # each closed by the server
+        assert wait_for(lambda: g.fds() <= fds0 + 2, 5), (fds0, g.fds())
+        assert g.metric("kvevents_gateway_connections_closed_total", reason="header_timeout") + \
+            g.metric("kvevents_gateway_connections_closed_total", reason="evicted") >= 80
+        assert g.metric("kvevents_gateway_connections_closed_total", reason="body_timeout") == 20
+        assert g.metric("kvevents_gateway_requests_total", status="499") == 20
+        assert "Exception in ASGI application" not in g.log_text()
+        for s in heads + bodies:
+            s.close()
