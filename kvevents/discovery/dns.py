@@ -116,7 +116,7 @@ class DnsSource(Source):
                          "http": self.ports.http, "dp_size": self.ports.dp_size}}
         if self.server is None:
             out["hosts_file"] = self.hosts_file
-            out["resolv_conf"] = (self._conf or ResolvConf(self.resolv_conf)).describe()
+            out["resolv_conf"] = (self._conf or read_resolv_conf(self.resolv_conf)).describe()
         return out
 
     # -- rounds ---------------------------------------------------------------------------

@@ -56,8 +56,9 @@ class QueryReport:
             if count:
                 key = (kind, outcome.reason or "unknown")
                 self.status.query_failures[key] = self.status.query_failures.get(key, 0) + 1
-            if self._logged.get(kind) != outcome.reason:
-                self._logged[kind] = outcome.reason or "unknown"
+            reason = outcome.reason or "unknown"
+            if self._logged.get(kind) != reason:
+                self._logged[kind] = reason
                 log.warning("%s: %s questions fail (%s: %s); logged again only when this changes",
                             self.origin, kind, outcome.reason, outcome.detail)
         elif kind in self._logged:
