@@ -1,4 +1,5 @@
-"""P9: tokenization cost of lookups by prompt text and chat, and what the cache saves.
+"""P9: tokenization cost of lookups by prompt text and chat, what the cache saves, and
+whether a long prompt encoded on a worker thread leaves the event loop running.
 
 A byte-level BPE tokenizer (vocabulary 16k) is trained here with ``tokenizers`` on the
 repository's own documentation, saved as a Hugging Face tokenizer directory with a
@@ -11,7 +12,19 @@ ChatML chat template, and loaded by :class:`kvevents.text.TextTokenizer` as
 * ``chat turn N``: a conversation growing turn by turn (system prompt, then user /
   assistant turns of ~60-250 tokens, up to ~4k tokens); each turn's lookup sends the
   whole conversation. ``cached`` is what the server does (earlier turns come from the
-  piece cache), ``uncached`` renders and encodes the whole text every time.
+  piece cache), ``uncached`` renders and encodes the whole text every time;
+* ``new user turn``: the gateway's common request, one of 8 system prompts (cached
+  after its first use) and a new ~280-token user turn: ``encode_chat`` whole, and the
+  ``tokenizers`` library's ``encode`` of the new turn alone (what encoding it cost before
+  ``encode_batch_fast``);
+* ``loop stall``: a thread that wakes every 0.5 ms (an event loop) while another thread
+  encodes a 180 KB prompt: its longest wait, with the library's ``encode`` (holds the
+  GIL throughout) and with ``TextTokenizer.encode_prompt`` (releases it).
+
+Times are the calling thread's CPU time (``time.thread_time``), not wall time, so a
+busy shared machine does not inflate them; the library's own thread pool is off
+(``TOKENIZERS_PARALLELISM=false``, as ``kvevents serve`` runs it), so all the work is
+on the calling thread. The stall is wall time, by its nature.
 
     .venv/bin/python benchmarks/bench_tokenize.py [--conversations 30] [--turns 24]
 """
@@ -24,6 +37,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +45,7 @@ from common import machine, median, percentile, print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # as kvevents serve runs (see the docstring)
 
 from kvevents.text import TextTokenizer  # noqa: E402
 from kvevents.text.chat import ChatMessage  # noqa: E402
@@ -62,9 +77,32 @@ def build_tokenizer(directory: Path, texts: list[str]) -> None:
 
 
 def timed(fn, *args) -> tuple[float, object]:
-    t0 = time.perf_counter()
+    """CPU seconds of this thread spent in ``fn(*args)``, and its result."""
+    t0 = time.thread_time()
     out = fn(*args)
-    return time.perf_counter() - t0, out
+    return time.thread_time() - t0, out
+
+
+def loop_stall(fn, *args) -> float:
+    """Longest wait (s) of a thread waking every 0.5 ms while ``fn(*args)`` runs here."""
+    stop, gaps = threading.Event(), [0.0]
+
+    def ticker() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.0005)
+            now = time.perf_counter()
+            gaps[0] = max(gaps[0], now - last)
+            last = now
+    th = threading.Thread(target=ticker)
+    th.start()
+    time.sleep(0.02)
+    try:
+        fn(*args)
+    finally:
+        stop.set()
+        th.join()
+    return gaps[0]
 
 
 def words(rng: random.Random, pool: list[str], n: int) -> str:
@@ -124,6 +162,28 @@ def main() -> None:
                 cached.setdefault(turn, []).append(dt_cached)
                 lengths.setdefault(turn, []).append(len(ids))
 
+        # The gateway's common request: a cached system prompt, a new user turn.
+        systems = [words(rng, pool, 250) for _ in range(8)]
+        turn_new, turn_floor, turn_fast, turn_tokens = [], [], [], []
+        for i in range(args.prompts):
+            msgs = [ChatMessage(role="system", content=systems[i % 8]),
+                    ChatMessage(role="user", content=f"request {i}: " + words(rng, pool, 110))]
+            if i < 8:
+                tok.encode_chat(msgs)  # the system prompt's first use: not measured
+                continue
+            user_piece = tok._pieces.pieces(tok.render_chat(msgs))[-3]
+            turn_floor.append(timed(lambda t: raw.encode(t, add_special_tokens=False).ids, user_piece)[0])
+            turn_fast.append(timed(lambda t: raw.encode_batch_fast([t], add_special_tokens=False)[0].ids,
+                                   user_piece)[0])
+            dt, ids = timed(tok.encode_chat, msgs)
+            turn_new.append(dt)
+            turn_tokens.append(len(raw.encode(user_piece, add_special_tokens=False).ids))
+
+        # A long prompt encoded on this thread while a ticker thread stands for the loop.
+        long_text = " ".join(texts)[:180_000]
+        stall_encode = median([loop_stall(raw.encode, long_text) for _ in range(3)])
+        stall_ours = median([loop_stall(tok.encode_prompt, long_text + f" {i}") for i in range(3)])
+
     us = 1e6
     rows = [["prompt 2k, new (tokenizers encode: floor)", n_tokens, f"{median(floor)*us:,.0f}", f"{percentile(floor, 99)*us:,.0f}"],
             ["prompt 2k, new (kvevents)", n_tokens, f"{median(new)*us:,.0f}", f"{percentile(new, 99)*us:,.0f}"],
@@ -138,6 +198,18 @@ def main() -> None:
     print_table(["case", "tokens", "p50 us", "p99 us"], rows)
     print("\ngrowing conversations (us per lookup, median over conversations)")
     print_table(["turn", "tokens", "render", "uncached", "cached", "saved"], chat_rows)
+    print(f"\nnew user turn after a cached system prompt ({int(median(turn_tokens))} new tokens; "
+          "us CPU per call)")
+    print_table(["case", "p50 us", "p99 us"], [
+        ["tokenizers encode of the new turn alone", f"{median(turn_floor)*us:,.0f}",
+         f"{percentile(turn_floor, 99)*us:,.0f}"],
+        ["tokenizers encode_batch_fast of the new turn alone", f"{median(turn_fast)*us:,.0f}",
+         f"{percentile(turn_fast, 99)*us:,.0f}"],
+        ["kvevents encode_chat (render, cache, encode new)", f"{median(turn_new)*us:,.0f}",
+         f"{percentile(turn_new, 99)*us:,.0f}"]])
+    print(f"\nloop stall while a {len(long_text):,}-character prompt encodes on another thread "
+          f"(ms, median of 3): tokenizers encode {stall_encode*1e3:.1f}, "
+          f"kvevents encode_prompt {stall_ours*1e3:.1f}")
     write_json(args.out, {
         "machine": machine(), "load_average": os.getloadavg(), "command": " ".join(sys.argv),
         "prompt_2k_us": {"tokens": n_tokens,
@@ -147,6 +219,13 @@ def main() -> None:
         "conversation_us": [{"turn": t, "tokens": median(lengths[t]), "render_p50": median(render[t]) * us,
                              "uncached_p50": median(uncached[t]) * us, "cached_p50": median(cached[t]) * us}
                             for t in sorted(cached)],
+        "new_user_turn_us": {"new_tokens": median(turn_tokens),
+                             "tokenizers_encode_p50": median(turn_floor) * us,
+                             "tokenizers_encode_batch_fast_p50": median(turn_fast) * us,
+                             "encode_chat_p50": median(turn_new) * us,
+                             "encode_chat_p99": percentile(turn_new, 99) * us},
+        "loop_stall_ms": {"chars": len(long_text), "tokenizers_encode": stall_encode * 1e3,
+                          "encode_prompt": stall_ours * 1e3},
         "piece_cache": tok.cache_stats(),
     })
 

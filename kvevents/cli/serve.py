@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import uvicorn
 
 from kvevents.api import create_app
-from kvevents.api.lookup_protocol import protocol_class
 from kvevents.api.conn_guard import ConnLimits
+from kvevents.api.lookup_protocol import protocol_class
 from kvevents.discovery import DiscoveryConfigError
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerLoadError
@@ -100,15 +103,31 @@ def quiet_client_logs() -> None:
 def run_server(settings: AggregatorSettings) -> int:
     """Serve until SIGINT/SIGTERM; the app's lifespan starts and stops the aggregator.
     With ``settings.workers`` above 1, :mod:`kvevents.cli.workers` runs that many
-    processes on the port instead."""
+    processes on the port, each serving with :func:`serve_app`."""
+    # Each request's text is encoded on the thread that asks (the GIL released): the
+    # tokenizers library's own thread pool would only add hand-offs between threads
+    # for the one or few pieces a request brings, while other requests use the cores.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if settings.workers > 1:
         from kvevents.cli.workers import WorkersError, run_workers
 
+        # The address must be free for anyone, a previous kvevents included: tried
+        # without SO_REUSEPORT (which would share it with whoever holds it), let go.
+        bind_socket(settings.host, settings.port).close()
         try:
-            return run_workers(settings)
+            return run_workers(settings, serve_app)
         except WorkersError as exc:
             print(f"kvevents serve: error: {exc}", file=sys.stderr)
             return 2
+    return serve_app(settings)
+
+
+def serve_app(settings: AggregatorSettings, *, reuse_port: bool = False,
+              extra_sockets: Sequence[socket.socket] = (),
+              wrap: Callable[[Any], Any] | None = None) -> int:
+    """Build the app and serve it on ``settings``' address (and ``extra_sockets``) until
+    SIGINT/SIGTERM; 2 when the app cannot be built. A worker of ``--workers`` binds with
+    ``reuse_port`` and serves ``wrap(app)``."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         app = create_app(settings)
@@ -117,14 +136,14 @@ def run_server(settings: AggregatorSettings) -> int:
         return 2
     tune_gc()
     quiet_client_logs()
-    sock = bind_socket(settings.host, settings.port)
+    sock = bind_socket(settings.host, settings.port, reuse_port=reuse_port)
     for engine in settings.engines:
         log.info("following %s at %s%s", engine.name, engine.endpoint,
                  f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else "")
-    config = uvicorn_config(app, lookup_in_protocol=settings.lookup_in_protocol,
+    config = uvicorn_config(wrap(app) if wrap else app, lookup_in_protocol=settings.lookup_in_protocol,
                             log_level=settings.log_level, access_log=False)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=[sock, *extra_sockets])
     finally:
         sock.close()
     return 0

@@ -38,11 +38,15 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 from kvevents.cli.worker_board import WorkerBoard
 from kvevents.service.settings import AggregatorSettings
 
 log = logging.getLogger("kvevents.cli.workers")
+
+#: Builds a worker's app and serves it (kvevents.cli.serve.serve_app).
+ServeApp = Callable[..., int]
 
 STOP_GRACE_S = 30.0
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.5, 10.0
@@ -84,44 +88,26 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def _worker_main(settings: AggregatorSettings, board: WorkerBoard, index: int) -> int:
+def _worker_main(settings: AggregatorSettings, board: WorkerBoard, index: int,
+                 serve: ServeApp) -> int:
     """Body of a forked worker: serve until SIGTERM; the exit status."""
-    import uvicorn
-
-    from kvevents.api import create_app
-    from kvevents.cli.serve import (GIL_SWITCH_INTERVAL_S, bind_socket, quiet_client_logs,
-                                    tune_gc, uvicorn_config)
     from kvevents.cli.worker_app import WorkerApp
-    from kvevents.discovery import DiscoveryConfigError
-    from kvevents.text import TokenizerLoadError
 
-    mine = worker_settings(settings, index)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    try:
-        app = create_app(mine)
-    except (TokenizerLoadError, DiscoveryConfigError) as exc:
-        print(f"kvevents serve: error: {exc}", file=sys.stderr)
-        return _CONFIG_ERROR
-    tune_gc()
-    quiet_client_logs()
-    sock = bind_socket(settings.host, settings.port, reuse_port=True)
     private = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    private.bind(board.private_socket(index))
-    config = uvicorn_config(WorkerApp(app, board, index), lookup_in_protocol=mine.lookup_in_protocol,
-                            log_level=mine.log_level, access_log=False)
     try:
-        uvicorn.Server(config).run(sockets=[sock, private])
+        private.bind(board.private_socket(index))
+        return serve(worker_settings(settings, index), reuse_port=True, extra_sockets=[private],
+                     wrap=lambda app: WorkerApp(app, board, index))
     finally:
-        sock.close()
         private.close()
-    return 0
 
 
 class Supervisor:
     """Starts, restarts and stops the workers; see the module docstring."""
 
-    def __init__(self, settings: AggregatorSettings) -> None:
+    def __init__(self, settings: AggregatorSettings, serve: ServeApp) -> None:
         self.settings = settings
+        self.serve = serve
         self.n = settings.workers
         self.board = WorkerBoard(self.n, f"{os.getpid()}-{secrets.token_hex(4)}")
         self.pids: dict[int, int] = {}  # pid -> worker index
@@ -142,7 +128,7 @@ class Supervisor:
                     signal.signal(sig, signal.SIG_DFL)
                 _die_with_parent(parent)
                 _tag_logs(index)
-                status = _worker_main(self.settings, self.board, index)
+                status = _worker_main(self.settings, self.board, index, self.serve)
             except SystemExit as exc:
                 status = exc.code if isinstance(exc.code, int) else 1
             except BaseException:
@@ -249,17 +235,12 @@ def _tag_logs(index: int) -> None:
         handler.setFormatter(logging.Formatter(f"[worker {index}] {fmt}"))
 
 
-def run_workers(settings: AggregatorSettings) -> int:
+def run_workers(settings: AggregatorSettings, serve: ServeApp) -> int:
     """Serve with ``settings.workers`` processes until SIGTERM/SIGINT; the exit status.
-    Raises :class:`WorkersError` and the address errors of
-    :func:`~kvevents.cli.serve.bind_socket` before any worker starts."""
-    from kvevents.cli.serve import bind_socket
-
+    Each worker calls ``serve`` (:func:`kvevents.cli.serve.serve_app`: build the app,
+    bind, run uvicorn). Raises :class:`WorkersError` before any worker starts."""
     check_settings(settings)
-    # The address must be free for anyone, a previous kvevents included: try it without
-    # SO_REUSEPORT (which would let us share it with whoever holds it), then let go.
-    bind_socket(settings.host, settings.port).close()
     import kvevents.api  # noqa: F401  (imported once here: workers fork with it loaded)
 
     log.info("serving %s:%d with %d workers", settings.host, settings.port, settings.workers)
-    return Supervisor(settings).run()
+    return Supervisor(settings, serve).run()

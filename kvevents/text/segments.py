@@ -13,6 +13,15 @@ Why it pays: chat templates end every turn with a special token, so a conversati
 that grows by a turn re-uses the cached ids of every earlier turn and encodes only the
 new text. Identical prompts hit the cache whole.
 
+How new text is encoded: every new piece of a call in one ``encode_batch_fast`` (the
+library's batch call that computes no character offsets, which we never read: about 30%
+less CPU than ``encode`` for a 280-token turn), which also releases the GIL while the
+Rust code runs, so a long prompt encoded on a worker thread leaves the event loop
+serving (``encode`` holds the GIL for its whole run: 190 ms of stall for a 180 KB text;
+``benchmarks/bench_tokenize.py`` measures both). The library spreads a batch over its
+own thread pool unless ``TOKENIZERS_PARALLELISM`` says no; ``kvevents serve`` says no
+(its requests already use every core), so the call runs on the caller's thread.
+
 Memory: the LRU holds at most ``max_tokens`` ids (8 bytes each, ``array('q')``) and
 evicts least recently used pieces beyond that. Thread-safe (one lock around the LRU;
 encoding runs outside it).
@@ -27,6 +36,14 @@ from collections import OrderedDict
 from typing import Any
 
 
+def batch_encoder(tokenizer: Any) -> Any:
+    """``texts -> encodings`` without special tokens: ``encode_batch_fast`` (tokenizers
+    0.21+: no offsets), else ``encode_batch``; both release the GIL."""
+    fast = getattr(tokenizer, "encode_batch_fast", None)
+    call = fast if fast is not None else tokenizer.encode_batch
+    return lambda texts: call(texts, add_special_tokens=False)
+
+
 class SegmentEncoder:
     """Encodes text with ``tokenizer`` (a ``tokenizers.Tokenizer``), no special tokens added.
 
@@ -39,7 +56,7 @@ class SegmentEncoder:
         self._tok = tokenizer
         self._max_tokens = max_tokens
         self._max_piece_chars = max_piece_chars  # longer pieces are encoded, not cached
-        self._batch_from = 8  # new pieces in one call before encoding them in parallel
+        self._encode_many = batch_encoder(tokenizer)
         # Longest first: the regex alternation then prefers the longest token at a spot,
         # as the tokenizer's own leftmost-longest matcher does.
         tokens = sorted(set(split_tokens), key=len, reverse=True)
@@ -85,14 +102,7 @@ class SegmentEncoder:
             self.hits += len(parts) - len(missing)
             self.misses += len(missing)
         if missing:
-            texts = [parts[i] for i in missing]
-            if len(texts) <= self._batch_from:
-                # A growing conversation brings a few new pieces: one by one is cheaper
-                # than waking the library's thread pool (P9 measured the batch call
-                # twice as slow for 3 pieces on a busy 2-core machine).
-                encoded = [self._tok.encode(t, add_special_tokens=False) for t in texts]
-            else:  # many pieces (a first long conversation): encode them in parallel
-                encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+            encoded = self._encode_many([parts[i] for i in missing])  # GIL released
             fresh = [(parts[i], array("q", enc.ids)) for i, enc in zip(missing, encoded)]
             for (_, ids), i in zip(fresh, missing):
                 found[i] = ids
@@ -121,7 +131,7 @@ class SegmentEncoder:
     def self_check(self, probe: str) -> bool:
         """True when piecewise encoding of ``probe`` equals encoding it whole."""
         whole = self._tok.encode(probe, add_special_tokens=False).ids
-        parts = self._tok.encode_batch(self.pieces(probe), add_special_tokens=False)
+        parts = self._encode_many(self.pieces(probe))  # the call encode() makes
         return [i for enc in parts for i in enc.ids] == whole
 
     def stats(self) -> dict[str, int]:

@@ -119,6 +119,7 @@ class TextTokenizer:
         if split and not self._pieces.self_check(self._probe(split)):
             self._pieces.disable_pieces()
         self._prefix, self._suffix = self._post_processor_affixes()
+        self._whole = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
 
     @staticmethod
     def _probe(split: list[str]) -> str:
@@ -148,8 +149,8 @@ class TextTokenizer:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Ids of a plain prompt, special tokens added as the tokenizer defines."""
-        if self._prefix is None:
-            return self._tok.encode(prompt, add_special_tokens=True).ids
+        if self._prefix is None:  # GIL released, no offsets (see segments.py)
+            return self._whole([prompt], add_special_tokens=True)[0].ids
         ids = self._pieces.encode(prompt)
         if not self._prefix and not self._suffix:
             return ids.tolist()
