@@ -242,3 +242,15 @@ def test_merged_expositions_keep_every_sample_once():
     assert _samples(merged, "x_total") == {(("worker", "0"),): 3.0, (("worker", "1"),): 4.0}
     assert _samples(merged, "y") == {(("k", "v"), ("worker", "0")): 1.0, (("worker", "0"),): 2.0}
     assert json.dumps(merged)  # plain text
+
+
+def test_the_kubernetes_deployment_runs_one_worker_per_requested_core():
+    import yaml
+
+    from kvevents.service.settings import load_settings
+
+    doc = yaml.safe_load((ROOT / "deploy/kubernetes/base/deployment.yaml").read_text())
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    workers = load_settings(env=env).workers
+    assert workers == int(container["resources"]["requests"]["cpu"]) == 2
