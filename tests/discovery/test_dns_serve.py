@@ -193,18 +193,46 @@ def test_serve_against_a_server_failing_aaaa(tmp_path, how):
 
 
 @pytest.mark.timeout(90)
-def test_serve_aaaa_only_name(tmp_path):
-    """A refused, AAAA ::1: the IPv6 engine is followed under its address."""
-    tiny = TinyDns()
-    tiny.set("fleet.test", "A", "refused")
-    tiny.set("fleet.test", "AAAA", Records(["::1"]))
+@pytest.mark.parametrize("server", ["tiny", "dnsmasq-local", "dnsmasq-no-local"])
+def test_serve_aaaa_only_name(tmp_path, server):
+    """An IPv6-only name: A REFUSED (the tests' own server; dnsmasq without --local) or
+    NODATA (dnsmasq --local), AAAA ::1. The IPv6 engine is followed under its address."""
+    if server == "tiny":
+        dns = TinyDns()
+        dns.set("fleet.test", "A", "refused")
+        dns.set("fleet.test", "AAAA", Records(["::1"]))
+    else:
+        dns = Dnsmasq(tmp_path, ["::1 fleet.test"], local=server == "dnsmasq-local")
     events, replay = free_port(), free_port()
-    serve = Serve(tmp_path, *dns_args("fleet.test", tiny.server, events, replay))
+    serve = Serve(tmp_path, *dns_args("fleet.test", dns.server, events, replay))
     try:
         assert wait_until(lambda: "fleet-::1" in serve.engines(), 10), serve.source()
         assert serve.engines()["fleet-::1"]["endpoint"] == f"tcp://[::1]:{events}"
-        assert serve.queries() == {"A": ("failed", "refused"), "AAAA": ("answer", None)}
-        assert serve.source()["errors"] == 0
+        a = ("nodata", None) if server == "dnsmasq-local" else ("failed", "refused")
+        assert serve.queries() == {"A": a, "AAAA": ("answer", None)}
+        assert serve.source()["errors"] == 0 and serve.source()["first_round_done"]
+    finally:
+        serve.stop()
+        dns.close()
+
+
+@pytest.mark.timeout(90)
+def test_serve_without_interval_follows_the_ttl(tmp_path):
+    """No --discover-interval: a record with TTL 2 s is asked again every 2 s, not every
+    second; /v1/discovery shows the TTL and the wait."""
+    tiny = TinyDns()
+    tiny.set("fleet.test", "A", Records(["127.0.0.2"], ttl=2))
+    tiny.set("fleet.test", "AAAA", "nodata")
+    serve = Serve(tmp_path, "--discover-dns", "fleet.test", "--dns-server", tiny.server,
+                  "--discover-http-port", "0")
+    try:
+        assert wait_until(lambda: "fleet-127.0.0.2" in serve.engines(), 10)
+        t0 = tiny.asked("fleet.test", "A")[0][0]
+        time.sleep(4.5)
+        times = [t - t0 for t, _, _ in tiny.asked("fleet.test", "A")]
+        assert len(times) == 3 and abs(times[1] - 2) < 0.5 and abs(times[2] - 4) < 0.5, times
+        src = serve.source()
+        assert src["interval_s"] is None and src["ttl_s"] == 2 and src["next_round_s"] == 2
     finally:
         serve.stop()
         tiny.close()
