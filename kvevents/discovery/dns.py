@@ -13,10 +13,12 @@ What each answer does to the set (:mod:`~kvevents.discovery.dnsquery` decides):
 * records of either family: those addresses. The families are asked independently: a
   family that is refused, fails, is not implemented or times out does not discard the
   other's records (the round counts as *partial*, the failure is shown and counted);
-* NXDOMAIN or NODATA for both families (on every search candidate): the empty set, a
-  Service scaled to zero, whose engines leave after the grace period;
-* no family answered and at least one failed: an outage of DNS, not of the engines.
-  The round fails (``errors``, ``last_error``), nothing is emitted, the last set stands.
+* NXDOMAIN (for either family: it is about the name) or NODATA for both families, on
+  every search candidate: the empty set, a Service scaled to zero, whose engines leave
+  after the grace period;
+* no records, no NXDOMAIN, and at least one family failed (timeouts, SERVFAIL, REFUSED,
+  or NODATA beside a failure): an outage of DNS, not of the engines. The round fails
+  (``errors``, ``last_error``), nothing is emitted, the last set stands.
 
 When the next round comes: after ``interval_s`` when it is given (``--discover-interval``,
 even when shorter than the records' TTL); without it, when the answer's TTL runs out

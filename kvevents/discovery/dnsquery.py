@@ -17,7 +17,8 @@ no answer in timeout_s    failed     reason ``timeout``; likewise ``network``, `
 :func:`lookup` asks every record type of a list of candidate names (a name's search-domain
 expansions) and decides: the first candidate with records of *any* type answers (types
 that failed are reported, not fatal: a resolver that refuses AAAA does not hide the A
-records); when every candidate is NXDOMAIN/NODATA for every type, the set is empty;
+records); when every candidate is NXDOMAIN for some type or NODATA for every type, the
+set is empty (NXDOMAIN says the name is gone, whatever the other type's question did);
 otherwise (some question failed and none had records) the lookup failed and the caller
 keeps what it knew.
 
@@ -194,8 +195,11 @@ def lookup(asker: Asker, candidates: Sequence[str], rdtypes: Sequence[str],
         for rdtype, outcome in outcomes.items():  # a failure anywhere outweighs a negative
             if rdtype not in summary or outcome.kind == FAILED:
                 summary[rdtype] = outcome
-        if all(o.negative for o in outcomes.values()):
-            negative_ttls.append(_lowest([o.ttl for o in outcomes.values()]))
+        # NXDOMAIN is about the name, not one type (RFC 8020): the name is gone even when
+        # the other family's question failed (a resolver that always fails AAAA must
+        # not hide a Service scaled to zero). NODATA is about one type only.
+        if all(o.negative for o in outcomes.values()) or any(o.kind == NXDOMAIN for o in outcomes.values()):
+            negative_ttls.append(_lowest([o.ttl for o in outcomes.values() if o.negative]))
         else:
             unknown = True
     if unknown or not candidates:

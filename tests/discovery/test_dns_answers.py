@@ -214,6 +214,23 @@ def test_negative_for_every_family_is_the_empty_set(tiny, a, aaaa):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["servfail", "drop"])
+def test_nxdomain_beside_a_failing_family_is_the_empty_set(tiny, how):
+    """NXDOMAIN is about the name: a resolver that always fails AAAA still shows a
+    Service scaled to zero (A NXDOMAIN). The failure is shown and counted."""
+    tiny.set("vllm.test", "A", Records(["127.0.0.2"]))
+    tiny.set("vllm.test", "AAAA", how)
+    src = source(tiny.server)
+    with running(src) as r:
+        r.wait_for(lambda s: len(s) == 1, 5)
+        tiny.set("vllm.test", "A", "nxdomain")
+        assert r.wait_for(lambda s: s == [], 5) == []
+    reason = "timeout" if how == "drop" else how
+    assert queries(src) == {"A": ("nxdomain", None), "AAAA": ("failed", reason)}
+    assert src.status.errors == 0 and src.status.extra["query_failures"]["AAAA"][reason] >= 2
+
+
+@pytest.mark.timeout(30)
 def test_negative_and_failed_is_an_outage_not_an_empty_set(tiny):
     """A NODATA while AAAA is refused: the name may well hold AAAA records; unknown."""
     tiny.set("vllm.test", "A", Records(["127.0.0.2"]))
