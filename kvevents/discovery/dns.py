@@ -170,6 +170,7 @@ class DnsSource(Source):
             local = hosts_addresses(self.name, self.hosts_file)
             if local:  # glibc asks "files" before "dns"; a hosts entry carries no TTL
                 self.status.extra["resolved_name"] = f"{self.name} ({self.hosts_file})"
+                self._report.reset()
                 return Round(self._specs(local))
         found = self._ask(self.name, FAMILIES, stop)
         self._report.record_lookup(found, list(FAMILIES))

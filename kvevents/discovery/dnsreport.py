@@ -76,6 +76,11 @@ class QueryReport:
             if outcome is not None:
                 self.record(f"{label}{rdtype}", outcome, count=False)
 
+    def reset(self) -> None:
+        """No question this round (the hosts file answered): no states to show."""
+        self._states.clear()
+        self._logged.clear()
+
     def publish(self, partial: bool) -> None:
         """After a round: the states and counts as ``GET /v1/discovery`` shows them."""
         if partial:

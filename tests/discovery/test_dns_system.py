@@ -118,6 +118,8 @@ def test_hosts_file_answers_first(tiny, tmp_path):
     with running(src) as r:
         assert _names(r.wait_for(lambda s: len(s) == 1, 5)) == ["vllm-headless-127.0.0.2"]
     assert tiny.asked() == []
+    assert src.status.extra["resolved_name"] == f"vllm-headless ({hosts})"
+    assert src.status.extra["queries"] == {} and src.status.extra["ttl_s"] is None
 
 
 @pytest.mark.timeout(30)
