@@ -22,7 +22,9 @@ succeeded within ``first_round_timeout_s`` is given up on (counted, visible on
 ``GET /v1/discovery``) rather than holding the replica out forever.
 
 Lifecycle: ``Discovery(aggregator, sources, ...)`` -> :meth:`start` (after the
-aggregator's) -> :meth:`stop` (before the aggregator's; returns within a few seconds).
+aggregator's; with sources, it registers their counters on the aggregator's registry,
+see :class:`_Metrics`) -> :meth:`stop` (before the aggregator's; unregisters them;
+returns within a few seconds).
 A source whose ``run`` raises is counted and restarted after a back-off; a failed
 reconcile is logged and retried on the next round; the grace ticker survives its own
 errors. No loop here dies quietly: :meth:`status` shows every thread's state.
