@@ -39,7 +39,8 @@ def tiny() -> Iterator[TinyDns]:
 
 
 def source(server: str, name: str = "vllm.test", **kw) -> DnsSource:
-    return DnsSource(name, PortPlan(), interval_s=0.1, timeout_s=0.3, server=server, **kw)
+    kw.setdefault("interval_s", 0.1)
+    return DnsSource(name, PortPlan(), timeout_s=0.3, server=server, **kw)
 
 
 def queries(src: DnsSource) -> dict:
@@ -262,3 +263,37 @@ def test_a_failing_server_passes_the_question_to_the_next(tiny, tmp_path):
         assert src.status.extra["query_failures"] == {}
     finally:
         refusing.close()
+
+
+@pytest.mark.timeout(30)
+def test_failure_counters_on_the_aggregators_registry(tiny):
+    """The Discovery of a DNS source registers kvevents_discovery_* on the aggregator's
+    registry while it runs and takes them away on stop (a second one can register)."""
+    from prometheus_client import generate_latest
+
+    from kvevents.discovery import Discovery
+    from kvevents.service.aggregator import Aggregator
+    from kvevents.service.settings import AggregatorSettings
+
+    tiny.set("vllm.test", "A", Records(["127.0.0.2"]))
+    tiny.set("vllm.test", "AAAA", "servfail")
+    agg = Aggregator(AggregatorSettings())
+    agg.start()
+    try:
+        for _ in range(2):
+            src = source(tiny.server, interval_s=None)  # TTL 0: a round a second
+            disc = Discovery(agg, [src])
+            disc.start()
+            try:
+                assert wait_until(lambda: src.status.rounds >= 1, 5)
+                text = generate_latest(agg.registry).decode()
+                series = ('kvevents_discovery_query_failures_total{origin="dns:vllm.test",query="AAAA",'
+                          'reason="servfail"} ')
+                assert series in text
+                assert float(text.split(series)[1].split()[0]) == src.status.query_failures[("AAAA", "servfail")]
+                assert 'kvevents_discovery_errors_total{origin="dns:vllm.test"} 0.0' in text
+            finally:
+                disc.stop()
+            assert b"kvevents_discovery" not in generate_latest(agg.registry)
+    finally:
+        agg.stop()
