@@ -15,7 +15,7 @@ Pages:
 * ``reference/metrics.md``: every metric family in the registry an ``Aggregator`` and its
   gateway build, and the Grafana dashboard's rows and panels;
 * ``reference/python.md``: the documented Python API, from the docstrings (mkdocstrings);
-* ``changelog.md``: CHANGELOG.md, its repository links pointed at the repository;
+* ``changelog.md``: CHANGELOG.md;
 * ``assets/live-page.png``: the live page's screenshot from dashboard/.
 
 Failure: any import or introspection error stops the build (mkdocs reports the
@@ -35,9 +35,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the checkout's kvevents, whatever the working directory
     sys.path.insert(0, str(ROOT))
-
-REPO_URL = "https://github.com/kvevents/kvevents/blob/main/"
-
 
 def cell(text: Any) -> str:
     """One Markdown table cell: pipes escaped, newlines folded."""
@@ -452,17 +449,24 @@ def python_page() -> str:
 # ---------------------------------------------------------------- changelog, assets
 
 def changelog_page() -> str:
-    """CHANGELOG.md, its relative links pointed at the repository (the site has no copy
-    of benchmarks/README.md and the like)."""
+    """CHANGELOG.md as it is; a relative link in it (the site has no copy of
+    benchmarks/README.md and the like) is shown as its text, not a broken link."""
     text = (ROOT / "CHANGELOG.md").read_text()
 
-    def fix(m: re.Match[str]) -> str:
+    def unlink(m: re.Match[str]) -> str:
         target = m.group(2)
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             return m.group(0)
-        return f"[{m.group(1)}]({REPO_URL}{target})"
+        return f"{m.group(1)} (`{target}`)"
 
-    return re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", fix, text)
+    text = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", unlink, text)
+    # Version links point at GitHub's heading anchors; the site's are toc's.
+    from markdown.extensions.toc import slugify
+
+    for label, rest in re.findall(r"^## \[([^\]]+)\](.*)$", text, re.M):
+        slug = slugify(f"{label}{rest}", "-")
+        text = re.sub(rf"^\[{re.escape(label)}\]: #.*$", f"[{label}]: #{slug}", text, flags=re.M)
+    return text
 
 
 def write_all() -> None:
