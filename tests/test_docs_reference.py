@@ -234,6 +234,7 @@ def test_python_reference_renders_each_documented_name(site):
     for _, names in PYTHON_API:
         for name in names:
             assert f'id="{name}"' in raw, f"{name} was not rendered from its docstring"
+    assert not re.search(r":(meth|class|func|attr):<code>", raw), "a Sphinx role was left raw"
 
 
 # ---------------------------------------------------------------- hand-written -> code
