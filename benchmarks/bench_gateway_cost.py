@@ -8,8 +8,10 @@ per side and round, a fresh ``kvevents serve --workers W`` (``--tokenizer`` the 
 tiny tokenizer: every chat is rendered and tokenized) in its own session. Workload:
 ``--prompts`` chat bodies, one of 8 shared system prompts (~350 tokens) and a unique
 user turn (~260 tokens), streamed with ``stream_options.include_usage``. Phases, in
-this order, on the same server:
+this order, on the same server, after 200 requests of warm-up:
 
+* ``idle``: ``--idle-s`` seconds without requests: the server's
+  CPU in cores (engine polls, readiness, ingest loops);
 * ``cost``: ``--requests`` streamed chats at 16 in flight, the engines pacing one chunk
   per 2 ms (decode steps): the server's CPU per request, as utime + stime of every
   process of its session (supervisor and workers, every thread) from ``/proc``;
@@ -152,7 +154,10 @@ def run_side(workers: int, engines: list[dict], files: dict, tok_dir: Path, log:
     proc, port = start_server(workers, engines, tok_dir, log)
     try:
         load(port, files["cost"], 200, 16, args.chunks)  # warm-up: connections, caches
-        out: dict = {"workers": workers}
+        cpu0 = session_cpu(proc.pid)
+        time.sleep(args.idle_s)
+        out: dict = {"workers": workers,
+                     "idle_cores": (session_cpu(proc.pid) - cpu0) / args.idle_s}
         for phase, conc in (("cost", 16), ("rate", args.concurrency)):
             eng0 = [pid_cpu(e["proc"].pid) for e in engines]
             cpu0 = session_cpu(proc.pid)
@@ -193,6 +198,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--latency-requests", type=int, default=300)
     ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measured")
     ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--out", default="benchmarks/results/gateway_cost.json")
     args = ap.parse_args()
@@ -245,13 +251,14 @@ def report(args: argparse.Namespace, sides: list[int], results: dict, tokens: in
                      _mr([x["added"]["added_p50_ms"] for x in rs]),
                      _mr([x["added"]["added_p99_ms"] for x in rs]),
                      _mr([x["rate"]["loadgen_cpu_ms_per_request"] for x in rs]),
-                     _mr([x["rate"]["engines_cpu_ms_per_request"] for x in rs])])
+                     _mr([x["rate"]["engines_cpu_ms_per_request"] for x in rs]),
+                     _mr([x["idle_cores"] for x in rs], "{:.3f}")])
     print(f"\n{args.requests} streamed chats of ~{tokens} prompt tokens, {args.chunks} chunks each; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; medians [ranges] of "
           f"{args.rounds} rounds")
     print_table(["server", "CPU ms/req (16 in flight, paced)", f"req/s ({args.concurrency} in flight)",
                  "CPU ms/req (rate)", "added p50 ms", "added p99 ms", "loadgen CPU ms/req",
-                 "engines CPU ms/req"], rows)
+                 "engines CPU ms/req", "idle cores"], rows)
     write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv),
                           "load_average": os.getloadavg(), "prompt_tokens": tokens,
                           "results": {str(w): results[w] for w in sides}})

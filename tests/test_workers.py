@@ -254,3 +254,15 @@ def test_the_kubernetes_deployment_runs_one_worker_per_requested_core():
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     workers = load_settings(env=env).workers
     assert workers == int(container["resources"]["requests"]["cpu"]) == 2
+
+
+def test_each_worker_gets_its_share_of_the_process_bounds(tmp_path):
+    from kvevents.cli.workers import worker_settings
+    from kvevents.service.settings import load_settings
+
+    s = load_settings(env={}, workers=3, max_inflight=64, data_dir=str(tmp_path))
+    w0, w2 = worker_settings(s, 0), worker_settings(s, 2)
+    assert (w0.workers, w0.max_inflight, w2.max_inflight) == (1, 21, 21)
+    assert w0.data_dir == str(tmp_path) and w2.data_dir == str(tmp_path / "worker-2")
+    if "max_connections" in type(s).model_fields:
+        assert w2.max_connections == s.max_connections // 3

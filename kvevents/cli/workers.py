@@ -11,8 +11,10 @@ time) is in :mod:`kvevents.cli.worker_app`, over the shared
 :class:`~kvevents.cli.worker_board.WorkerBoard`.
 
 Per worker, from the settings: worker 0 snapshots to ``--data-dir`` itself, worker
-``i`` to ``DATA_DIR/worker-i`` (each restores its own); ``--max-inflight`` is the
-process's bound, split evenly (each worker admits ``max_inflight // N``, at least 1).
+``i`` to ``DATA_DIR/worker-i`` (each restores its own); ``--max-inflight`` and
+``--max-connections`` bound the process, so each worker gets ``1/N`` of them (at
+least 1): connections land on workers by the kernel's hash, so one worker may refuse
+while another still has room, but the process never holds more than asked.
 Engines that bind their endpoint (``bind=1``) can be bound by one process only and
 are refused with ``--workers`` above 1.
 
@@ -53,6 +55,8 @@ _BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.5, 10.0
 _YOUNG_S = 10.0  # a worker that dies younger than this backs off before its next start
 _SIGNALS = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT)
 _CONFIG_ERROR = 2
+#: Settings that bound the whole process: each worker gets its share.
+_PROCESS_BOUNDS = ("max_inflight", "max_connections")
 
 
 class WorkersError(ValueError):
@@ -62,7 +66,10 @@ class WorkersError(ValueError):
 def worker_settings(settings: AggregatorSettings, index: int) -> AggregatorSettings:
     """The settings worker ``index`` of ``settings.workers`` runs with (module docstring)."""
     n = settings.workers
-    update: dict = {"workers": 1, "max_inflight": max(1, settings.max_inflight // n)}
+    update: dict = {"workers": 1}
+    for bound in _PROCESS_BOUNDS:  # the process's bounds, split evenly
+        if bound in type(settings).model_fields:
+            update[bound] = max(1, getattr(settings, bound) // n)
     if settings.data_dir and index > 0:
         update["data_dir"] = os.path.join(settings.data_dir, f"worker-{index}")
     return settings.model_copy(update=update)
