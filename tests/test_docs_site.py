@@ -176,3 +176,21 @@ def test_pages_render_in_chromium_without_console_errors(site, tmp_path):
         browser.close()
         server.shutdown()
         server.server_close()
+
+
+def test_readme_is_the_front_door():
+    """Under 150 lines; the two set-up commands, exactly; every relative link resolves
+    (to a page of the site, or a file of the repository)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 150
+    setup = re.search(r"## Set up.*?```bash\n(.*?)```", readme, re.S)
+    assert setup, "the README has a set-up block"
+    commands = [line.split("#")[0].strip() for line in setup.group(1).splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"]
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert any(link.startswith("docs/") for link in links)
+    for link in links:
+        if re.match(r"[a-z]+:", link):
+            continue
+        target = ROOT / link.split("#")[0]
+        assert target.exists(), f"README links {link}, which does not exist"

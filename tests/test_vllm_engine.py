@@ -257,7 +257,7 @@ def test_aggregator_index_equals_engine_contents(runs):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory, runs):  # after the in-process runs: one engine at a time
-    """``python -m vllm.entrypoints.openai.api_server`` with our connector (README's command).
+    """``python -m vllm.entrypoints.openai.api_server`` with our connector (the command in docs/connector.md).
 
     Its scheduler role runs in the EngineCore process and its worker role in a separate
     worker process; ``kvevents serve`` follows its stream.
