@@ -9,7 +9,8 @@ name with at least ``ndots`` dots is tried as given first, one with fewer is tri
 with each search domain first, a name ending in ``.`` is absolute and tried alone.
 
 What is read: ``nameserver`` (the first three, as glibc), ``search`` / ``domain`` (the
-last one wins), ``options ndots:N``. Other options (``timeout``, ``attempts``,
+last one wins; with neither there are no search domains, where glibc would take the
+host name's domain), ``options ndots:N``. Other options (``timeout``, ``attempts``,
 ``rotate``...) are not used: each server gets the source's own timeout once per round,
 and the next round asks again. One extension: ``nameserver IP:PORT`` /
 ``[IPV6]:PORT`` names a server on another port than 53 (glibc cannot; it is there for
