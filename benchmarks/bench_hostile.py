@@ -18,6 +18,9 @@ swallowing the machine. Reported per shape: RSS growth (MB), lookup p50 before/a
 has), so refused events show up under whatever name the index counts them.
 
     .venv/bin/python benchmarks/bench_hostile.py [--engines 8 --capacity 10000]
+
+Hostile HTTP clients against the gateway (disconnect storms, over capacity, malformed
+bodies, slowloris, slow readers): ``benchmarks/bench_hostile_clients.py``.
 """
 
 from __future__ import annotations

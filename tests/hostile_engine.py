@@ -9,7 +9,8 @@ Answers ``POST /v1/chat/completions`` and ``/v1/completions``: ``max_tokens`` ch
 from its request until its last byte is written or its connection is lost (the gateway
 closed it). It stops writing while the gateway's socket is full (backpressure) and
 resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``GET /stats``:
-``{"open", "peak", "started", "finished", "aborted"}``.
+``{"open", "peak", "started", "finished", "aborted"}`` (``/stats/reset``: the same, then
+the peak starts again from the streams open now).
 
 Several engines (one per port) run on one event loop and are counted together. Run in
 a thread (:class:`EngineThread`, for tests) or as a process (``python
@@ -89,8 +90,10 @@ class _Conn(asyncio.Protocol):
         method = self.parser.get_method()
         if method == b"GET" and self.url.startswith(b"/metrics"):
             self._reply(200, b"text/plain", _METRICS % self.stats.open)
-        elif method == b"GET" and self.url == b"/stats":
+        elif method == b"GET" and self.url in (b"/stats", b"/stats/reset"):
             self._reply(200, b"application/json", json.dumps(self.stats.as_dict()).encode())
+            if self.url == b"/stats/reset":  # a new measurement: the peak from now on
+                self.stats.peak = self.stats.open
         elif method == b"GET" and self.url == b"/v1/models":
             self._reply(200, b"application/json", b'{"object":"list","data":[{"id":"fake"}]}')
         elif method == b"POST" and self.url in (b"/v1/chat/completions", b"/v1/completions"):

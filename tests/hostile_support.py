@@ -46,9 +46,10 @@ def reset(s: socket.socket) -> None:
 
 class GatewayProcess:
     """``kvevents serve`` following ``engines`` (their OpenAI URLs; no event streams),
-    with ``args`` added. Use as a context manager."""
+    with ``args`` added, run from the checkout at ``root``. Use as a context manager."""
 
-    def __init__(self, engines: list[str], *args: str, log_level: str = "info") -> None:
+    def __init__(self, engines: list[str], *args: str, log_level: str = "info",
+                 root: str = ROOT) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kvevents-hostile-", suffix=".log", delete=False)
@@ -57,7 +58,7 @@ class GatewayProcess:
         for i, url in enumerate(engines):
             cmd += ["--endpoint", f"e{i}=tcp://127.0.0.1:{free_port()},model=fake,http={url}"]
         cmd += list(args)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=root,
                                      start_new_session=True)
         self.n_engines = len(engines)
 

@@ -190,3 +190,29 @@ def test_slowloris_connections_are_closed_and_good_clients_still_served(fleet, t
         assert "Exception in ASGI application" not in g.log_text()
         for s in heads + bodies:
             s.close()
+
+
+def test_the_limits_come_from_flags_the_environment_and_the_config_file(tmp_path):
+    from kvevents.api import create_app
+    from kvevents.cli.main import build_parser
+    from kvevents.cli.serve import uvicorn_config
+    from kvevents.service.settings import SettingsError, load_settings
+
+    args = build_parser().parse_args(["serve", "--max-connections", "7", "--header-timeout", "2.5",
+                                      "--body-timeout", "4", "--max-prompt-chars", "1000"])
+    assert (args.max_connections, args.header_timeout_s, args.body_timeout_s, args.max_prompt_chars) == \
+        (7, 2.5, 4.0, 1000)
+    env = {"KVEVENTS_MAX_CONNECTIONS": "9", "KVEVENTS_HEADER_TIMEOUT_S": "3",
+           "KVEVENTS_BODY_TIMEOUT_S": "5", "KVEVENTS_MAX_PROMPT_CHARS": "2000"}
+    s = load_settings(None, env=env)
+    assert (s.max_connections, s.header_timeout_s, s.body_timeout_s, s.max_prompt_chars) == (9, 3, 5, 2000)
+    config = tmp_path / "kv.toml"
+    config.write_text("max_connections = 11\nheader_timeout_s = 6\n")
+    s = load_settings(str(config), env={}, body_timeout_s=8)
+    assert (s.max_connections, s.header_timeout_s, s.body_timeout_s, s.max_prompt_chars) == \
+        (11, 6, 8, 4_000_000)
+    with pytest.raises(SettingsError, match="header.timeout"):
+        load_settings(None, env={}, header_timeout_s=0)
+    # The server's protocol takes them from the app's settings.
+    http = uvicorn_config(create_app(s)).http
+    assert (http.limits.max_connections, http.limits.header_timeout_s, http.limits.body_timeout_s) == (11, 6, 8)
