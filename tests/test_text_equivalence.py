@@ -60,6 +60,7 @@ def test_prompt_ids_equal_transformers(bytelevel, prompt):
     ours, auto = bytelevel
     assert ours.encode_prompt(prompt) == auto(prompt)["input_ids"]
     assert ours.encode_prompt(prompt) == auto(prompt)["input_ids"]  # again, from the cache
+    assert ours.prompt_ids(prompt).tolist() == auto(prompt)["input_ids"]  # the index's form
 
 
 def test_growing_conversation_equals_transformers_and_reuses_turns(bytelevel):
@@ -70,6 +71,7 @@ def test_growing_conversation_equals_transformers_and_reuses_turns(bytelevel):
         before = ours.cache_stats()
         got = ours.encode_chat(msgspec.convert(messages, list[ChatMessage]))
         assert got == _reference_chat(auto, messages), f"{turns} turns"
+        assert ours.chat_ids(msgspec.convert(messages, list[ChatMessage])).tolist() == got
         after = ours.cache_stats()
         if turns > 1:  # every earlier turn came from the cache
             assert after["hits"] - before["hits"] >= 2 * (turns - 1)

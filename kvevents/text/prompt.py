@@ -39,7 +39,7 @@ def chosen_input(token_ids: object, prompt: object, messages: object) -> str:
 
 
 def text_encoder(tokenizers: TokenizerRegistry, model: str | None, field: str,
-                 value: str | Sequence[ChatMessage]) -> Callable[[], list[int]]:
+                 value: str | Sequence[ChatMessage]) -> Callable[[], Sequence[int]]:
     """A call that tokenizes ``value`` (a prompt, or chat messages) with ``model``'s
     tokenizer. Raises :class:`InputError` now when there is no such tokenizer; the call
     raises it for messages the chat template refuses."""
@@ -51,12 +51,13 @@ def text_encoder(tokenizers: TokenizerRegistry, model: str | None, field: str,
                              "model")
         raise InputError(422, f"no tokenizer for model {model!r} (tokenizers: {known}; "
                               f"add one with serve --tokenizer MODEL=PATH)", "model")
+    # array('q'): the index reads it as it is (see TextTokenizer.prompt_ids).
     if field == "prompt":
-        return lambda: tok.encode_prompt(value)  # type: ignore[arg-type]
+        return lambda: tok.prompt_ids(value)  # type: ignore[arg-type]
 
-    def encode_chat() -> list[int]:
+    def encode_chat() -> Sequence[int]:
         try:
-            return tok.encode_chat(value)  # type: ignore[arg-type]
+            return tok.chat_ids(value)  # type: ignore[arg-type]
         except ChatTemplateError as exc:
             raise InputError(422, f"messages: {exc}", "messages") from None
     return encode_chat
