@@ -33,7 +33,7 @@ BENCH_README = ROOT / "benchmarks" / "README.md"
 OTHER_PROGRAMS_FLAGS = {
     # vllm serve / python -m vllm.entrypoints.openai.api_server
     "--kv-events-config", "--kv-transfer-config", "--enable-prefix-caching",
-    "--enable-prompt-tokens-details", "--model", "--data-parallel-size",
+    "--enable-prompt-tokens-details", "--model", "--data-parallel-size", "--num-gpu-blocks-override",
     # pip, docker, kubectl, curl, mkdocs, pytest, make
     "--index-url", "--target", "--build", "--no-deps", "--strict", "--upgrade",
 }
@@ -364,3 +364,13 @@ def test_hand_written_pages_name_only_existing_metrics():
             continue  # a simulated engine's (vLLM's names): kvevents/sim/metrics.py
         bad[name] = files
     assert not bad, f"metrics nobody exports: {bad}"
+
+
+def test_benchmarks_readme_names_only_existing_flags():
+    """Flags in benchmarks/README.md outside a script's command line still belong to
+    something real: a kvevents command, a benchmark script, or another program above."""
+    sources = "".join(p.read_text() for p in (ROOT / "benchmarks").rglob("*.py"))
+    known = all_flags() | OTHER_PROGRAMS_FLAGS
+    bad = {flag for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _strip_urls(BENCH_README.read_text()))
+           if flag not in known and f'"{flag}"' not in sources and f"'{flag}'" not in sources}
+    assert not bad, f"benchmarks/README.md names flags nothing takes: {sorted(bad)}"
