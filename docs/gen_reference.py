@@ -109,17 +109,25 @@ def default_of(command: str, action: argparse.Action) -> str:
     return str(action.default)
 
 
-def flag_rows(command: str, parser: argparse.ArgumentParser) -> list[str]:
-    """One Markdown section per argument group, one row per option."""
+def flag_rows(command: str, parser: argparse.ArgumentParser, select: str | None = None,
+              headings: bool = True) -> list[str]:
+    """One Markdown table per argument group, one row per option. ``select``: only the
+    group of that title, or only the flags starting with it (``--route-``)."""
     out = []
     for group in parser._action_groups:
         actions = [a for a in group._group_actions
                    if a.option_strings and not isinstance(a, argparse._HelpAction)]
+        if select is not None and select.startswith("--"):
+            actions = [a for a in actions if a.option_strings[-1].startswith(select)]
+        elif select is not None and group.title != select:
+            actions = []
         if not actions:
             continue
         title = group.title or "options"
-        out.append(f"**{title[0].upper() + title[1:]}**" + (f": {group.description}" if group.description else ""))
-        out.append("")
+        if headings:
+            out.append(f"**{title[0].upper() + title[1:]}**"
+                       + (f": {group.description}" if group.description else ""))
+            out.append("")
         if command == "serve":
             out.append("| flag | default | environment variable | config key | |")
             out.append("|---|---|---|---|---|")
@@ -146,6 +154,18 @@ def flag_rows(command: str, parser: argparse.ArgumentParser) -> list[str]:
             out.append("| " + " | ".join(row) + " |")
         out.append("")
     return out
+
+
+def flag_table(command: str, select: str) -> str:
+    """The reference's rows for some flags of ``kvevents COMMAND``, for a hand-written
+    page (docs/hooks.py replaces ``<!-- kvevents-flags: COMMAND SELECT -->`` with it)."""
+    from kvevents.cli.main import build_parser
+
+    parser = subcommands(build_parser())[command]
+    rows = flag_rows(command, parser, select, headings=False)
+    if not any(line.startswith("| `") for line in rows):
+        raise ValueError(f"kvevents-flags: no flag of kvevents {command} matches {select!r}")
+    return "\n".join(rows)
 
 
 def cli_page() -> str:

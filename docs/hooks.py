@@ -1,4 +1,10 @@
-"""MkDocs hook: the docstrings' Sphinx roles as plain code in the rendered API pages.
+"""MkDocs hooks: flag tables generated into hand-written pages, and the docstrings'
+Sphinx roles as plain code in the rendered API pages.
+
+``<!-- kvevents-flags: serve discovery -->`` in a page becomes the table of that argument
+group of ``kvevents serve`` (or, with ``--route-``, of the flags starting so), made by
+docs/gen_reference.py from the parser itself: a page's flag table cannot drift from the
+code. A marker that matches no flag fails the build.
 
 The docstrings cross-reference with Sphinx roles (``:meth:`apply_batch```,
 ``:class:`~kvevents.index.wire.WireBatch```), which mkdocstrings renders literally as
@@ -8,7 +14,27 @@ shows only the last component of the dotted name.
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
+
+_MARKER = re.compile(r"<!-- kvevents-flags: (\S+) (.+?) -->")
+_gen = None
+
+
+def _generator():
+    global _gen
+    if _gen is None:
+        spec = importlib.util.spec_from_file_location(
+            "kvevents_docs_gen", Path(__file__).with_name("gen_reference.py"))
+        _gen = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_gen)
+    return _gen
+
+
+def on_page_markdown(markdown: str, **kwargs) -> str:
+    return _MARKER.sub(lambda m: _generator().flag_table(m.group(1), m.group(2).strip()), markdown)
+
 
 _ROLE = re.compile(r":(?:meth|class|func|attr|mod|data|exc|obj|const):<code>(~?)([^<]*)</code>")
 

@@ -277,6 +277,7 @@ def test_hand_written_pages_name_only_existing_flags():
         for line in f.read_text().splitlines():
             scripts = re.findall(r"[\w./-]*\w\.(?:py|sh)\b", line)
             sources = "".join(script_source(x) for x in scripts if not x.startswith(("kvevents/", "connector/", "tests/")))
+            line = re.sub(r"<!-- kvevents-flags: .*? -->", "", line)  # generated tables
             for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line):
                 if flag in known or f'"{flag}"' in sources or f"'{flag}'" in sources \
                         or f" {flag})" in sources or f"{flag})" in sources:
@@ -374,3 +375,22 @@ def test_benchmarks_readme_names_only_existing_flags():
     bad = {flag for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _strip_urls(BENCH_README.read_text()))
            if flag not in known and f'"{flag}"' not in sources and f"'{flag}'" not in sources}
     assert not bad, f"benchmarks/README.md names flags nothing takes: {sorted(bad)}"
+
+
+def test_flag_tables_in_hand_written_pages_are_the_parsers(site):
+    """A ``<!-- kvevents-flags: ... -->`` marker becomes the parser's own rows: the
+    Discovery page lists every flag of serve's discovery group, the Routing page every
+    ``--route-`` flag, and no marker is left in any page."""
+    serve = parsers()["kvevents serve"]
+    discovery = next(g for g in serve._action_groups if g.title == "discovery")
+    pages = {
+        "discovery": {s for a in discovery._group_actions for s in a.option_strings if s.startswith("--")},
+        "routing": {s for s in flags_of(serve) if s.startswith("--route-")},
+    }
+    for page, flags in pages.items():
+        assert flags, page
+        text = page_text(site, page)
+        for flag in flags:
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), f"{page}: {flag} missing"
+    for html in site.rglob("*.html"):
+        assert "kvevents-flags:" not in html.read_text(), f"{html}: a flag marker was not replaced"
