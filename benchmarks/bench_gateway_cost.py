@@ -3,11 +3,13 @@ between a fast load generator and fast fake OpenAI engines (benchmarks/fake_open
 
 Two fake engines (one process each: raw asyncio + httptools on uvloop; vLLM-shaped SSE,
 ``--chunks`` chunks of 3 tokens, ``/metrics`` gauges, a ZeroMQ publisher with replay
-that publishes nothing, so the index stays empty and every decision is by load) and,
+that publishes nothing, so the index stays empty and every decision is by load; with
+``--kv-events`` each engine publishes its prompts' blocks, so the index fills and every
+worker's ingest runs) and,
 per side and round, a fresh ``kvevents serve --workers W`` (``--tokenizer`` the demo's
 tiny tokenizer: every chat is rendered and tokenized) in its own session. Workload:
-``--prompts`` chat bodies, one of 8 shared system prompts (~350 tokens) and a unique
-user turn (~260 tokens), streamed with ``stream_options.include_usage``. Phases, in
+``--prompts`` chat bodies, one of 8 shared system prompts (~360 tokens) and a unique
+user turn (~280 tokens), streamed with ``stream_options.include_usage``. Phases, in
 this order, on the same server, after 200 requests of warm-up:
 
 * ``idle``: ``--idle-s`` seconds without requests: the server's
@@ -199,6 +201,8 @@ def main() -> None:
     ap.add_argument("--latency-requests", type=int, default=300)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measured")
+    ap.add_argument("--kv-events", action="store_true",
+                    help="the engines publish each prompt's blocks (the index fills, ingest runs)")
     ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--out", default="benchmarks/results/gateway_cost.json")
     args = ap.parse_args()
@@ -216,7 +220,8 @@ def main() -> None:
             e = {"port": free_port(), "zmq": free_port(), "replay": free_port()}
             e["proc"] = subprocess.Popen(
                 [sys.executable, FAKE, "engine", "--port", str(e["port"]), "--zmq-port", str(e["zmq"]),
-                 "--replay-port", str(e["replay"]), "--chunks", str(args.chunks)],
+                 "--replay-port", str(e["replay"]), "--chunks", str(args.chunks),
+                 *(["--tokenizer", str(tok_dir)] if args.kv_events else [])],
                 cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
             assert e["proc"].stdout.readline().strip() == "ready"
             engines.append(e)
@@ -253,13 +258,15 @@ def report(args: argparse.Namespace, sides: list[int], results: dict, tokens: in
                      _mr([x["rate"]["loadgen_cpu_ms_per_request"] for x in rs]),
                      _mr([x["rate"]["engines_cpu_ms_per_request"] for x in rs]),
                      _mr([x["idle_cores"] for x in rs], "{:.3f}")])
-    print(f"\n{args.requests} streamed chats of ~{tokens} prompt tokens, {args.chunks} chunks each; "
+    print(f"\n{args.requests} streamed chats of ~{tokens} prompt tokens, {args.chunks} chunks each, "
+          f"engines {'publishing' if args.kv_events else 'not publishing'} KV events; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; medians [ranges] of "
           f"{args.rounds} rounds")
     print_table(["server", "CPU ms/req (16 in flight, paced)", f"req/s ({args.concurrency} in flight)",
                  "CPU ms/req (rate)", "added p50 ms", "added p99 ms", "loadgen CPU ms/req",
                  "engines CPU ms/req", "idle cores"], rows)
     write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv),
+                          "kv_events": args.kv_events,
                           "load_average": os.getloadavg(), "prompt_tokens": tokens,
                           "results": {str(w): results[w] for w in sides}})
 

@@ -11,8 +11,12 @@ the usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``; no
 streamed, one JSON answer. The text is a deterministic function of the request body
 (:func:`answer`), so the load generator checks every byte it gets. ``GET /metrics``
 has vLLM's load gauges; ``GET /v1/models`` and ``GET /health`` answer; a ZeroMQ
-publisher with a replay socket is bound on 127.0.0.1 (no events are published: the
-index stays empty, the routing decision still runs).
+publisher with a replay socket is bound on 127.0.0.1. Without ``--tokenizer`` it
+publishes nothing (the index stays empty, the routing decision still runs); with
+``--tokenizer DIR`` it tokenizes each chat as the gateway does and publishes its prompt's
+full 16-token blocks that it does not hold yet (``BlockStored``, one batch a request),
+keeping ``--capacity`` blocks and publishing the least recently used ones it drops
+(``BlockRemoved``), as a prefix-caching engine does.
 
 The load generator (``python fake_openai.py load --url ... --requests N --concurrency C``)
 keeps C keep-alive connections, each sending its share of the requests one after the
@@ -61,10 +65,56 @@ def answer(body: bytes, chunks: int, per_chunk: int) -> tuple[list[bytes], bytes
     return events, whole
 
 
+class KVCache:
+    """The engine's prefix cache as its events describe it: 16-token blocks, chained
+    hashes, LRU eviction past ``capacity``."""
+
+    BS = 16
+
+    def __init__(self, publisher, tokenizer, capacity: int) -> None:
+        from collections import OrderedDict
+
+        self.pub, self.tok, self.capacity = publisher, tokenizer, capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def admit(self, body: bytes) -> None:
+        import msgspec
+
+        from kvevents.text.chat import ChatMessage
+        from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
+
+        messages = msgspec.json.decode(body)["messages"]
+        ids = self.tok.chat_ids(msgspec.convert(messages, list[ChatMessage])).tolist()
+        parent, hashes, tokens, first_parent = None, [], [], None
+        for i in range(len(ids) // self.BS):
+            chunk = ids[i * self.BS:(i + 1) * self.BS]
+            h = zlib.crc32(str(chunk).encode(), (parent or 0) & 0xFFFFFFFF) | ((i + 1) << 32)
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+            else:
+                if not hashes:
+                    first_parent = parent
+                hashes.append(h)
+                tokens += chunk
+                self.blocks[h] = None
+            parent = h
+        events = []
+        if hashes:
+            events.append(BlockStored(hashes, first_parent, tokens, self.BS, None, "GPU", None))
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        if evicted:
+            events.append(BlockRemoved(evicted, "GPU"))
+        if events:
+            self.pub.publish(KVEventBatch(time.time(), events))
+
+
 class _Engine(asyncio.Protocol):
     chunks = 64
     per_chunk = 3
     running = 0
+    cache: KVCache | None = None
 
     def connection_made(self, transport) -> None:
         self.t = transport
@@ -98,6 +148,8 @@ class _Engine(asyncio.Protocol):
                                b"application/json")
         if method == b"POST" and url == b"/v1/chat/completions":
             doc = json.loads(body)
+            if _Engine.cache is not None:
+                _Engine.cache.admit(body)
             events, whole = answer(body, self.chunks, self.per_chunk)
             if not doc.get("stream"):
                 return self._plain(200, whole, b"application/json")
@@ -140,6 +192,10 @@ def run_engine(args: argparse.Namespace) -> None:
     _Engine.chunks, _Engine.per_chunk = args.chunks, args.tokens_per_chunk
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{args.zmq_port}",
                                             replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}"))
+    if args.tokenizer:
+        from kvevents.text import TextTokenizer
+
+        _Engine.cache = KVCache(pub, TextTokenizer("m", args.tokenizer), args.capacity)
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(_Engine, "127.0.0.1", args.port,
@@ -226,6 +282,8 @@ def main() -> None:
     e.add_argument("--port", type=int, required=True)
     e.add_argument("--zmq-port", type=int, required=True)
     e.add_argument("--replay-port", type=int, required=True)
+    e.add_argument("--tokenizer", default=None, help="tokenizer directory: publish KV events")
+    e.add_argument("--capacity", type=int, default=4096, help="blocks the engine keeps")
     for p in (e, load := sub.add_parser("load")):
         p.add_argument("--chunks", type=int, default=64)
         p.add_argument("--tokens-per-chunk", type=int, default=3)
