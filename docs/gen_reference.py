@@ -110,9 +110,10 @@ def default_of(command: str, action: argparse.Action) -> str:
 
 
 def flag_rows(command: str, parser: argparse.ArgumentParser, select: str | None = None,
-              headings: bool = True) -> list[str]:
+              headings: bool = True, compact: bool = False) -> list[str]:
     """One Markdown table per argument group, one row per option. ``select``: only the
-    group of that title, or only the flags starting with it (``--route-``)."""
+    group of that title, or only the flags starting with it (``--route-``); ``compact``:
+    flag, default and help only (a page's table; the reference has every column)."""
     out = []
     for group in parser._action_groups:
         actions = [a for a in group._group_actions
@@ -128,7 +129,7 @@ def flag_rows(command: str, parser: argparse.ArgumentParser, select: str | None 
             out.append(f"**{title[0].upper() + title[1:]}**"
                        + (f": {group.description}" if group.description else ""))
             out.append("")
-        if command == "serve":
+        if command == "serve" and not compact:
             out.append("| flag | default | environment variable | config key | |")
             out.append("|---|---|---|---|---|")
         else:
@@ -142,7 +143,7 @@ def flag_rows(command: str, parser: argparse.ArgumentParser, select: str | None 
             if a.choices and not isinstance(a.choices, dict):
                 helptext += " (one of: " + ", ".join(map(str, a.choices)) + ")"
             row = [code(flags), code(default_of(command, a))]
-            if command == "serve":
+            if command == "serve" and not compact:
                 field = serve_field(a.dest)
                 if field is not None:
                     row += ["<br>".join(code(e) for e in env_names(field)), code(field)]
@@ -162,7 +163,7 @@ def flag_table(command: str, select: str) -> str:
     from kvevents.cli.main import build_parser
 
     parser = subcommands(build_parser())[command]
-    rows = flag_rows(command, parser, select, headings=False)
+    rows = flag_rows(command, parser, select, headings=False, compact=True)
     if not any(line.startswith("| `") for line in rows):
         raise ValueError(f"kvevents-flags: no flag of kvevents {command} matches {select!r}")
     return "\n".join(rows)
