@@ -3,7 +3,7 @@ Sphinx roles as plain code in the rendered API pages.
 
 ``<!-- kvevents-flags: serve discovery -->`` in a page becomes the table of that argument
 group of ``kvevents serve`` (or, with ``--route-``, of the flags starting so), made by
-docs/gen_reference.py from the parser itself: a page's flag table cannot drift from the
+docs/ref_cli.py from the parser itself: a page's flag table cannot drift from the
 code. A marker that matches no flag fails the build.
 
 The docstrings cross-reference with Sphinx roles (``:meth:`apply_batch```,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 _MARKER = re.compile(r"<!-- kvevents-flags: (\S+) (.+?) -->")
@@ -25,8 +26,10 @@ _gen = None
 def _generator():
     global _gen
     if _gen is None:
-        spec = importlib.util.spec_from_file_location(
-            "kvevents_docs_gen", Path(__file__).with_name("gen_reference.py"))
+        here = Path(__file__).resolve().parent
+        if str(here) not in sys.path:
+            sys.path.insert(0, str(here))  # ref_cli imports ref_common beside it
+        spec = importlib.util.spec_from_file_location("kvevents_docs_ref_cli", here / "ref_cli.py")
         _gen = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(_gen)
     return _gen

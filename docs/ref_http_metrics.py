@@ -1,0 +1,174 @@
+"""The HTTP and metrics references: the app's OpenAPI document, and the registry an
+aggregator and its gateway build (plus the Grafana dashboard's rows and panels).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from ref_common import ROOT, cell, code
+
+# ---------------------------------------------------------------- HTTP
+
+def _schema_name(schema: dict[str, Any]) -> str:
+    if "$ref" in schema:
+        return schema["$ref"].rsplit("/", 1)[-1]
+    if "anyOf" in schema:
+        return " or ".join(_schema_name(s) for s in schema["anyOf"])
+    if schema.get("type") == "array":
+        return f"array of {_schema_name(schema.get('items', {}))}"
+    return str(schema.get("type", "any"))
+
+
+def _anchor(name: str) -> str:
+    return "schema-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _schema_link(schema: dict[str, Any]) -> str:
+    name = _schema_name(schema)
+    if "$ref" in schema:
+        return f"[`{name}`](#{_anchor(name)})"
+    return code(name)
+
+
+def openapi_document() -> dict[str, Any]:
+    from kvevents.api import create_app
+
+    return create_app().openapi()
+
+
+def http_page() -> str:
+    doc = openapi_document()
+    lines = [
+        "# HTTP reference",
+        "",
+        f"Generated from the app's own OpenAPI document ({doc['info']['title']} "
+        f"{doc['info']['version']}) at every build of this site; a running aggregator serves",
+        "the same document at `/openapi.json` and an explorer at `/docs`. Errors of the",
+        "aggregator's own API are `{\"error\": \"...\", \"field\": \"...\"}` with a 4xx status;",
+        "the OpenAI endpoints answer errors in OpenAI's shape. Examples are on",
+        "[Following engines](../engines.md#querying-the-index), [Gateway](../gateway.md) and",
+        "[Routing](../routing.md).",
+        "",
+        "| method | path | |",
+        "|---|---|---|",
+    ]
+    ops = []
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            ops.append((path, method, op))
+    for path, method, op in ops:
+        title = op.get("summary") or op.get("operationId", "")
+        dep = " (deprecated)" if op.get("deprecated") else ""
+        anchor = "op-" + re.sub(r"[^a-z0-9]+", "-", f"{method} {path}".lower()).strip("-")
+        lines.append(f"| {method.upper()} | [{code(path)}](#{anchor}) | {cell(title)}{dep} |")
+    lines.append("")
+    for path, method, op in ops:
+        anchor = "op-" + re.sub(r"[^a-z0-9]+", "-", f"{method} {path}".lower()).strip("-")
+        lines += [f"## {method.upper()} `{path}` {{ #{anchor} }}", ""]
+        if op.get("deprecated"):
+            lines += ["**Deprecated**: kept working until 0.3.0; see the [Changelog](../changelog.md).", ""]
+        desc = op.get("description") or op.get("summary") or ""
+        if desc:
+            lines += [desc.strip(), ""]
+        params = op.get("parameters", [])
+        if params:
+            lines += ["| parameter | in | type | required | |", "|---|---|---|---|---|"]
+            for p in params:
+                lines.append(f"| {code(p['name'])} | {p['in']} | {code(_schema_name(p.get('schema', {})))} | "
+                             f"{'yes' if p.get('required') else 'no'} | {cell(p.get('description', ''))} |")
+            lines.append("")
+        body = op.get("requestBody")
+        if body:
+            for ctype, media in body.get("content", {}).items():
+                lines += [f"Request body ({code(ctype)}): {_schema_link(media.get('schema', {}))}", ""]
+        responses = op.get("responses", {})
+        if responses:
+            lines += ["| status | | body |", "|---|---|---|"]
+            for status, r in responses.items():
+                schemas = [_schema_link(m.get("schema", {})) for m in r.get("content", {}).values()
+                           if m.get("schema")]
+                lines.append(f"| {status} | {cell(r.get('description', ''))} | {' '.join(schemas)} |")
+            lines.append("")
+    schemas = doc.get("components", {}).get("schemas", {})
+    if schemas:
+        lines += ["## Schemas", ""]
+        for name, schema in schemas.items():
+            lines += [f"### {name} {{ #{_anchor(name)} }}", ""]
+            if schema.get("description"):
+                lines += [" ".join(schema["description"].split()), ""]
+            props = schema.get("properties", {})
+            if props:
+                required = set(schema.get("required", []))
+                lines += ["| field | type | required | |", "|---|---|---|---|"]
+                for fname, fs in props.items():
+                    dep = " (deprecated)" if fs.get("deprecated") else ""
+                    lines.append(f"| {code(fname)} | {_schema_link(fs)} | "
+                                 f"{'yes' if fname in required else 'no'} | "
+                                 f"{cell(fs.get('description', ''))}{dep} |")
+                lines.append("")
+            elif schema.get("enum"):
+                lines += ["One of: " + ", ".join(code(v) for v in schema["enum"]), ""]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- metrics
+
+def metric_families() -> list[dict[str, Any]]:
+    """Every family the aggregator's registry exposes, with one engine configured (so
+    the per-engine families carry their labels), plus its gateway's: name as scraped
+    (counters with ``_total``), type, help and label names."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from kvevents.gateway import GatewayMetrics
+    from kvevents.service.aggregator import Aggregator
+    from kvevents.service.settings import AggregatorSettings
+
+    registry = CollectorRegistry()
+    # Built, never started: no socket is opened; port 9 on 127.0.0.1 is never dialled.
+    agg = Aggregator(AggregatorSettings(engines=("engine-0=tcp://127.0.0.1:9",)), registry)
+    try:
+        GatewayMetrics(agg.registry)
+        declared = {c._name: tuple(c._labelnames) for c in list(registry._collector_to_names)
+                    if isinstance(c, MetricWrapperBase)}
+        families = list(registry.collect())
+    finally:
+        agg.stop()  # releases its ZeroMQ context (left to the GC, its term() would wait)
+    out = []
+    for fam in families:
+        labels = set(declared.get(fam.name, ()))
+        labels |= {k for s in fam.samples for k in s.labels if k not in ("le", "quantile")}
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        out.append({"name": name, "type": fam.type, "help": fam.documentation,
+                    "labels": sorted(labels)})
+    return sorted(out, key=lambda m: m["name"])
+
+
+def metrics_page() -> str:
+    fams = metric_families()
+    lines = [
+        "# Metrics reference",
+        "",
+        "Generated at every build of this site from the Prometheus registry that an",
+        "aggregator and its gateway build (`kvevents serve`'s `/metrics`): every family,",
+        "as scraped. Labels are those the family declares or carries with one engine",
+        "followed; `engine` is the followed engine's name, `model_name` its model.",
+        "What the families mean together is on [Metrics and Grafana](../metrics.md).",
+        "",
+        "| metric | type | labels | |",
+        "|---|---|---|---|",
+    ]
+    for m in fams:
+        lines.append(f"| {code(m['name'])} | {m['type']} | {cell(', '.join(m['labels']))} | {cell(m['help'])} |")
+    lines += ["", "## The Grafana dashboard", "",
+              "Rows and panels of `dashboard/grafana/dashboards/kvevents.json`, read from the file:", ""]
+    dash = json.loads((ROOT / "dashboard/grafana/dashboards/kvevents.json").read_text())
+    for panel in dash.get("panels", []):
+        if panel.get("type") == "row":
+            lines += ["", f"- **{cell(panel.get('title', ''))}**"]
+        else:
+            lines.append(f"    - {cell(panel.get('title', ''))} ({panel.get('type')})")
+    return "\n".join(lines) + "\n"
