@@ -46,7 +46,8 @@ def http_page() -> str:
         "",
         f"Generated from the app's own OpenAPI document ({doc['info']['title']} "
         f"{doc['info']['version']}) at every build of this site; a running aggregator serves",
-        "the same document at `/openapi.json` and an explorer at `/docs`. Errors of the",
+        "the same document at `/openapi.json` and an explorer at `/docs`; the live page is",
+        "`/` (HTML, not part of the API). Errors of the",
         "aggregator's own API are `{\"error\": \"...\", \"field\": \"...\"}` with a 4xx status;",
         "the OpenAI endpoints answer errors in OpenAI's shape. Examples are on",
         "[Following engines](../engines.md#querying-the-index), [Gateway](../gateway.md) and",
@@ -116,27 +117,72 @@ def http_page() -> str:
 
 # ---------------------------------------------------------------- metrics
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def metric_families() -> list[dict[str, Any]]:
-    """Every family the aggregator's registry exposes, with one engine configured (so
-    the per-engine families carry their labels), plus its gateway's: name as scraped
-    (counters with ``_total``), type, help and label names."""
+    """Every family the aggregator's registry exposes, plus its gateway's, as a running
+    aggregator scrapes them: one engine followed (on 127.0.0.1, the aggregator binding),
+    whose real publisher has sent a stored and a removed block, so every per-engine
+    family carries its labels. Name as scraped (counters with ``_total``), type, help,
+    label names.
+
+    Failure: the engine's batch not applied within 20 s raises (the build fails rather
+    than publish a reference with missing labels)."""
+    import time
+
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
 
+    from kvevents.engines import EngineSpec
     from kvevents.gateway import GatewayMetrics
     from kvevents.service.aggregator import Aggregator
     from kvevents.service.settings import AggregatorSettings
+    from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
+    from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
 
+    import logging
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    quiet = logging.getLogger("kvevents")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the refused event's warning is expected here
     registry = CollectorRegistry()
-    # Built, never started: no socket is opened; port 9 on 127.0.0.1 is never dialled.
-    agg = Aggregator(AggregatorSettings(engines=("engine-0=tcp://127.0.0.1:9",)), registry)
+    agg = Aggregator(AggregatorSettings(engines=(
+        EngineSpec("engine-0", endpoint, model="model", bind=True),)), registry)
+    pub = None
     try:
         GatewayMetrics(agg.registry)
+        agg.start()
+        pub = ZmqEventPublisher(PublisherConfig(endpoint=endpoint))
+        tokens = list(range(1, 33))
+        deadline = time.monotonic() + 20
+        # A PUB socket drops what it sends before the subscription reaches it: resend
+        # (the same content, new seqs) until the index holds it.
+        while not any(e.get("blocks") for e in agg.engine_statuses()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("metrics reference: the engine's batch was not applied in 20 s")
+            pub.publish(KVEventBatch(time.time(), [
+                BlockStored([1, 2], None, tokens, 16, None, "GPU", None),
+                BlockStored([3], 2, list(range(33, 49)), 16, None, "GPU", None),
+                BlockRemoved([3], "GPU"),
+                # a token id the index refuses (>= 2**63): the refusal counter's labels
+                BlockStored([4], None, [2**63] * 16, 16, None, "GPU", None)]))
+            time.sleep(0.05)
+        time.sleep(0.2)  # the lane's applied batches reach the lag histogram within 0.1 s
         declared = {c._name: tuple(c._labelnames) for c in list(registry._collector_to_names)
                     if isinstance(c, MetricWrapperBase)}
         families = list(registry.collect())
     finally:
-        agg.stop()  # releases its ZeroMQ context (left to the GC, its term() would wait)
+        if pub is not None:
+            pub.shutdown(0.5)
+        agg.stop()  # releases its sockets and ZeroMQ context
+        quiet.setLevel(level)
     out = []
     for fam in families:
         labels = set(declared.get(fam.name, ()))
@@ -154,8 +200,10 @@ def metrics_page() -> str:
         "",
         "Generated at every build of this site from the Prometheus registry that an",
         "aggregator and its gateway build (`kvevents serve`'s `/metrics`): every family,",
-        "as scraped. Labels are those the family declares or carries with one engine",
-        "followed; `engine` is the followed engine's name, `model_name` its model.",
+        "as scraped from an aggregator following one engine that has published. Labels:",
+        "`engine` is the followed engine's name, `model_name` its model; a family shown",
+        "without labels that counts failures (`kvevents_apply_errors_total`) gets them with",
+        "its first count (`engine`, `model_name`, `kind`).",
         "What the families mean together is on [Metrics and Grafana](../metrics.md).",
         "",
         "| metric | type | labels | |",

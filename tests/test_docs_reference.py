@@ -226,6 +226,11 @@ def test_metrics_reference_matches_the_registry(site):
     metrics = registry_metrics()
     assert metrics <= documented, f"missing from the metrics reference: {sorted(metrics - documented)}"
     assert documented <= metrics, f"the metrics reference names {sorted(documented - metrics)}"
+    # Labels as scraped from an aggregator that applied a real publisher's batch.
+    for name, labels in (("kvevents_events_applied_total", "engine, model_name, tier, type"),
+                         ("kvevents_event_lag_seconds", "engine, model_name"),
+                         ("kvevents_refused_events_total", "engine, model_name, reason")):
+        assert re.search(rf"{name}\s+\w+\s+{re.escape(labels)}\s", text), f"{name}: labels {labels} missing"
 
 
 def test_python_reference_renders_each_documented_name(site):
