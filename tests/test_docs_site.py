@@ -194,3 +194,13 @@ def test_readme_is_the_front_door():
             continue
         target = ROOT / link.split("#")[0]
         assert target.exists(), f"README links {link}, which does not exist"
+
+
+def test_user_facing_text_tells_no_diary():
+    """The README, the site's pages and benchmarks/README.md speak of the product: no
+    issue numbers, no sessions or days of the work (the changelog may link issues)."""
+    diary = re.compile(r"\bissue \d+|\b(first|second|third|fourth|fifth|next) session\b"
+                       r"|\bearlier today\b|\byesterday\b|\bstart of the day\b|\bP\d\b", re.I)
+    files = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found = {str(f.relative_to(ROOT)): m.group(0) for f in files for m in [diary.search(f.read_text())] if m}
+    assert not found, f"diary in user-facing text: {found}"
