@@ -20,7 +20,8 @@ this order, on the same server, after 200 requests of warm-up:
 * ``rate``: ``--requests`` streamed chats at ``--concurrency`` (32) in flight, engines
   not pacing: requests/s (on a 2-core box the load generator and the engines share the
   cores with the server: the figure is the box's, said with the load generator's and
-  the engines' own CPU);
+  the engines' own CPU, and the cores the server kept busy: about 1.0 with one worker
+  means that worker was the limit);
 * ``added``: ``--latency-requests`` one-chunk non-streamed chats, one at a time,
   alternating through the server and straight to an engine: p50/p99 of each, and
   the differences.
@@ -253,6 +254,8 @@ def report(args: argparse.Namespace, sides: list[int], results: dict, tokens: in
                      _mr([x["cost"]["server_cpu_ms_per_request"] for x in rs]),
                      _mr([x["rate"]["requests_per_s"] for x in rs], "{:.0f}"),
                      _mr([x["rate"]["server_cpu_ms_per_request"] for x in rs]),
+                     _mr([x["rate"]["server_cpu_ms_per_request"] * x["rate"]["requests_per_s"] / 1e3
+                          for x in rs]),
                      _mr([x["added"]["added_p50_ms"] for x in rs]),
                      _mr([x["added"]["added_p99_ms"] for x in rs]),
                      _mr([x["rate"]["loadgen_cpu_ms_per_request"] for x in rs]),
@@ -263,7 +266,7 @@ def report(args: argparse.Namespace, sides: list[int], results: dict, tokens: in
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; medians [ranges] of "
           f"{args.rounds} rounds")
     print_table(["server", "CPU ms/req (16 in flight, paced)", f"req/s ({args.concurrency} in flight)",
-                 "CPU ms/req (rate)", "added p50 ms", "added p99 ms", "loadgen CPU ms/req",
+                 "CPU ms/req (rate)", "server cores busy (rate)", "added p50 ms", "added p99 ms", "loadgen CPU ms/req",
                  "engines CPU ms/req", "idle cores"], rows)
     write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv),
                           "kv_events": args.kv_events,

@@ -176,6 +176,10 @@ def test_readyz_is_503_while_any_worker_is_not_ready(served):
 
 def test_a_dead_worker_is_restarted_and_counted(served):
     url, _, proc, log = served
+    # An engine added at run time: the restarted worker must follow it too.
+    with httpx.Client(timeout=10) as client:
+        r = client.post(url + "/v1/engines", json={"name": "e2", "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+    assert r.status_code == 201, r.text
     before = _pids(url)
     assert len(before) == 2
     victim = max(before)
@@ -185,10 +189,16 @@ def test_a_dead_worker_is_restarted_and_counted(served):
     text = _get(url, "/metrics").text
     assert sum(_per_worker(text, "kvevents_worker_restarts_total").values()) == 1.0
     assert wait_until(lambda: (_readyz(url) or {}).get("code") == 200, 20)
-    # The new worker followed the publisher again (replay from its buffer).
+    # The new worker followed the publisher again (replay from its buffer), and the
+    # engine added at run time, taken from its peer before it said ready.
     for _ in range(12):
         assert _lookup(url) == [{"engine": "e0", "matched_tokens": 32, "tiers": {"GPU": 32}}]
-    assert f"(pid {victim}) exited with signal 9" in log.read_text()
+    text = _get(url, "/metrics").text
+    assert set(_per_worker(text, "kvevents_engine_up", engine="e2")) == {"0", "1"}
+    assert set(_per_worker(text, "kvevents_engine_up", engine="e0")) == {"0", "1"}
+    logged = log.read_text()
+    assert f"(pid {victim}) exited with signal 9" in logged
+    assert "engines taken from a peer (1 added, 0 removed)" in logged
 
 
 def test_sigterm_stops_every_worker(served):

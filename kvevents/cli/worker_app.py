@@ -17,7 +17,10 @@ Every request goes to the aggregator's app untouched (one path comparison here),
   worker that does not answer in time is ``kvevents_worker_scraped{worker}`` 0.
 * ``POST /v1/engines`` and ``DELETE /v1/engines/{name}`` that this worker accepts are
   repeated to every other worker (same headers, so the same ``--auth-token`` check),
-  so all of them keep following the same engines.
+  so all of them keep following the same engines. A worker started again after a
+  death first takes the engines added or removed at run time from a peer (its
+  ``GET /v1/engines``: origin ``api`` added, configured ones the peer no longer
+  follows removed), and is not ready before that.
 
 A request that carries :data:`INTERNAL_HEADER` (from another worker) is answered by this
 worker alone, which is what stops a scrape from fanning out again.
@@ -41,6 +44,8 @@ log = logging.getLogger(__name__)
 
 _INTERNAL = INTERNAL_HEADER.encode()
 _FANOUT_BODY_LIMIT = 1 << 20  # an engine spec is a few hundred bytes
+#: How long a restarted worker waits for a ready peer to copy run-time engine changes from.
+SYNC_WAIT_S = 10.0
 
 
 async def call_app(app: Any, method: str, path: str, headers: list[tuple[bytes, bytes]] = (),
@@ -144,6 +149,8 @@ class WorkerApp:
         self.index = index
         self.scrape_timeout_s = scrape_timeout_s
         self._beat: asyncio.Task | None = None
+        self._synced = board.restarts[index] == 0  # a first start has nothing to catch up
+        self._sync_deadline: float | None = None
 
     @property
     def state(self) -> Any:
@@ -188,12 +195,15 @@ class WorkerApp:
         return wrapped
 
     async def _beat_loop(self) -> None:
-        """Stamp the board from this worker's own /readyz every BEAT_S."""
+        """Stamp the board from this worker's own /readyz every BEAT_S (after taking
+        the run-time engine changes from a peer, when this is a restart)."""
         failed = False
         while True:
             try:
+                if not self._synced:
+                    self._synced = await self._sync_engines()
                 status, _, _ = await call_app(self.app, "GET", "/readyz")
-                ok = status == 200
+                ok = status == 200 and self._synced
                 self.board.ready[self.index] = time.monotonic() if ok else 0.0
                 if ok:
                     self.board.ever_ready[self.index] = 1
@@ -207,9 +217,50 @@ class WorkerApp:
                 failed = True
             await asyncio.sleep(BEAT_S)
 
+    async def _sync_engines(self) -> bool:
+        """Make this worker follow what a ready peer follows (engines of origin ``api``
+        and the configured ones); False while no peer answers."""
+        peers = [i for i in range(self.board.workers)
+                 if i != self.index and self.board.is_ready(i)]
+        if self._sync_deadline is None:
+            self._sync_deadline = time.monotonic() + SYNC_WAIT_S
+        theirs = None
+        for i in peers:
+            got = await peer_request(self.board.private_socket(i), "GET", "/v1/engines")
+            if got is not None and got[0] == 200:
+                theirs = {e["name"]: e for e in json.loads(got[2])["engines"]
+                          if e.get("origin") in ("static", "api")}
+                break
+        if theirs is None:
+            if time.monotonic() < self._sync_deadline:
+                return False
+            # Every worker died at once (say): nobody to ask, the settings are all we have.
+            log.warning("worker %d: no ready worker to take run-time engine changes from "
+                        "within %.0fs; following the configured engines", self.index, SYNC_WAIT_S)
+            return True
+        status, _, body = await call_app(self.app, "GET", "/v1/engines")
+        mine = {e["name"]: e for e in json.loads(body)["engines"]
+                if e.get("origin") in ("static", "api")} if status == 200 else {}
+        token = getattr(self.app.state.aggregator.settings, "auth_token", None)
+        auth = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        for name in set(mine) - set(theirs):
+            await call_app(self.app, "DELETE", f"/v1/engines/{name}", auth)
+        for name in set(theirs) - set(mine):
+            e = theirs[name]
+            spec = {k: e.get(k) for k in ("name", "endpoint", "replay_endpoint", "model", "http")}
+            status, _, out = await call_app(self.app, "POST", "/v1/engines",
+                                            [*auth, (b"content-type", b"application/json")],
+                                            json.dumps(spec).encode())
+            if status >= 300:
+                log.warning("worker %d: could not follow %s as worker %d does (%d: %s)",
+                            self.index, name, peers[0], status, out[:200])
+        log.info("worker %d: engines taken from a peer (%d added, %d removed)", self.index,
+                 len(set(theirs) - set(mine)), len(set(mine) - set(theirs)))
+        return True
+
     async def _readyz(self, send: Any) -> None:
         status, headers, body = await call_app(self.app, "GET", "/readyz")
-        own_ready = status == 200
+        own_ready = status == 200 and self._synced
         # This worker's answer is now: stamp it, so a scrape right after a start agrees.
         self.board.ready[self.index] = time.monotonic() if own_ready else 0.0
         others = [i for i in self.board.not_ready() if i != self.index]

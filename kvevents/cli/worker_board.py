@@ -25,7 +25,7 @@ import time
 
 #: A worker's stamp older than this is not ready (it beats every BEAT_S).
 BEAT_S = 0.5
-FRESH_S = 2.5
+FRESH_S = 5.0
 #: Header that marks a request from another worker: answer for yourself only.
 INTERNAL_HEADER = "x-kvevents-worker-local"
 
