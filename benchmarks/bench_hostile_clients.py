@@ -21,7 +21,10 @@ CPU seconds (utime + stime).
   1 MB body, for 20 s, then silent (sockets kept): files over time until back to the
   start (at most 65 s), probes' p50/p99;
 * ``slow_readers``: 100 clients asking for 23 MB answers, half reading 1 KB/s, half
-  nothing, for 10 s, then leaving: RSS growth at peak and 10 s after, engines paused.
+  nothing, for 10 s, then leaving: RSS growth at peak and 10 s after, engines paused;
+* ``baseline`` (not an attack: what the guards cost well-behaved clients): 3 rounds of
+  2,000 streamed chats (64 chunks each), 16 in flight on kept-alive connections, every
+  answer's payload checked byte for byte: the gateway's CPU milliseconds per request.
 
     .venv/bin/python benchmarks/bench_hostile_clients.py [--attacks storm,capacity,...]
         [--root /path/to/other/checkout] [--json benchmarks/results/hostile_clients.json]
@@ -53,7 +56,7 @@ from hostile_support import GatewayProcess, chat_body, raw_request  # noqa: E402
 from support import free_port  # noqa: E402
 from text_tokenizer import build_bytelevel  # noqa: E402
 
-ATTACKS = ("storm", "capacity", "malformed", "slowloris", "slow_readers")
+ATTACKS = ("storm", "capacity", "malformed", "slowloris", "slow_readers", "baseline")
 
 
 class Engines:
@@ -342,6 +345,42 @@ async def slow_readers(g: GatewayProcess, eng: Engines, n: int = 100, secs: floa
             "engine_streams_finished": streaming["finished"], "engine_streams_open_after": eng.stats()["open"]}
 
 
+def _dechunk(body: bytes) -> bytes:
+    out, rest = b"", body
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, rest = out + rest[:n], rest[n + 2:]
+
+
+async def baseline(g: GatewayProcess, eng: Engines, n: int = 2000, conc: int = 16) -> dict:
+    chunk = b"data: " + json.dumps({"id": "cmpl-1", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": "abc"}}]}).encode() + b"\n\n"
+    want = chunk * 64 + (b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":10,'
+                         b'"completion_tokens":64,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
+                         b"data: [DONE]\n\n")
+    request = raw_request(g.port, chat_body(True, 64))
+    rounds, wrong = [], 0
+
+    async def client(k: int) -> None:
+        nonlocal wrong
+        reader, writer = await _open(g.port)
+        for _ in range(k):
+            writer.write(request)
+            await reader.readuntil(b"\r\n\r\n")
+            wrong += _dechunk(await reader.readuntil(b"\r\n0\r\n\r\n")) != want
+        writer.close()
+
+    for _ in range(3):
+        cpu = g.cpu_s()
+        await asyncio.gather(*(client(n // conc) for _ in range(conc)))
+        rounds.append(round((g.cpu_s() - cpu) / n * 1000, 2))
+    return {"requests_per_round": n, "gateway_cpu_ms_per_request": rounds,
+            "median_ms": sorted(rounds)[1], "answers_not_byte_exact": wrong}
+
+
 def run(attack: str, root: str, tokenizer: str) -> dict:
     eng = Engines()
     extra = ["--max-inflight", "64"] if attack == "capacity" else []
@@ -351,6 +390,8 @@ def run(attack: str, root: str, tokenizer: str) -> dict:
             stop, lat, errors = asyncio.Event(), [], []
 
             async def main() -> dict:
+                if attack == "baseline":  # its own clients only: their CPU per request
+                    return await baseline(g, eng)
                 probe = asyncio.ensure_future(_probe(g.port, lat, errors, stop))
                 try:
                     return await globals()[attack](g, eng)
@@ -363,7 +404,7 @@ def run(attack: str, root: str, tokenizer: str) -> dict:
             return {"attack": attack, **got, "gateway_fds": [fds0, g.fds()],
                     "gateway_rss_mb": [round(rss0, 1), round(g.rss_mb(), 1)],
                     "gateway_cpu_s": round(g.cpu_s() - cpu0, 2),
-                    **({} if attack == "slowloris" else _probes(lat, errors))}
+                    **({} if attack in ("slowloris", "baseline") else _probes(lat, errors))}
     finally:
         eng.close()
 

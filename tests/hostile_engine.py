@@ -5,7 +5,8 @@ it is streaming now (what a hostile client must not leave open on an engine).
 Answers ``POST /v1/chat/completions`` and ``/v1/completions``: ``max_tokens`` chunks
 (default 64), one every ``fake_interval_ms`` (default 2), each padded to
 ``fake_chunk_bytes`` (default: a short vLLM-like chunk); streamed when ``"stream": true``
-(with a usage chunk and ``[DONE]``), else one JSON answer. A stream counts as *open*
+(with a usage chunk and ``[DONE]``), else one JSON answer; ``fake_break_after``: the
+connection is closed after that many chunks (an engine that dies mid-answer). A stream counts as *open*
 from its request until its last byte is written or its connection is lost (the gateway
 closed it). It stops writing while the gateway's socket is full (backpressure) and
 resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``GET /stats``:
@@ -111,6 +112,7 @@ class _Conn(asyncio.Protocol):
 
     def _answer(self, doc: dict) -> None:
         n = int(doc.get("max_tokens") or 64)
+        cut = doc.get("fake_break_after")  # close the connection after this many chunks
         interval = float(doc.get("fake_interval_ms", 2)) / 1000
         pad = int(doc.get("fake_chunk_bytes", 0))
         text = "abc" + "x" * max(0, pad - 120)
@@ -139,6 +141,9 @@ class _Conn(asyncio.Protocol):
                 return
             if self.paused:
                 self.pending = [step]
+                return
+            if cut is not None and n - left[0] >= cut:  # the engine dies mid-answer
+                self.transport.close()
                 return
             if left[0] > 0:
                 left[0] -= 1

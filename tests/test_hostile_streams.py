@@ -182,3 +182,74 @@ def test_slow_readers_cost_memory_only_while_they_stream(fleet, tokenizer):
         # stream before the per-stream buffer was bounded, and it stayed.
         assert peak - rss0 < 25, f"RSS {rss0:.0f} -> peak {peak:.0f} MB for 40 slow streams"
         assert after - rss0 < 20, f"RSS {rss0:.0f} -> {after:.0f} MB after the slow streams left"
+
+
+def test_an_engine_that_breaks_off_mid_stream_is_said_in_the_stream_and_counted(fleet, tokenizer):
+    with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}") as g:
+        s = connect(g.port)
+        s.sendall(raw_request(g.port, chat_body(True, 50, fake_break_after=10)))
+        got = _read_until(s, b"0\r\n\r\n")
+        s.close()
+        assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"\r\n0\r\n\r\n"), got[-300:]
+        assert got.count(b'"delta"') == 10 and b"[DONE]" not in got
+        error = got[got.rindex(b"data: {\"error\""):].split(b"\n\n")[0]
+        assert b"broke off its answer" in error and b'"upstream_error"' in error, error
+        assert wait_for(lambda: g.metric("kvevents_gateway_requests_total", status="502") == 1, 5)
+        assert fleet.stats.open == 0
+
+
+def _dechunk(raw: bytes) -> bytes:
+    """The payload of a chunked HTTP/1.1 body (the head stripped)."""
+    rest, out = raw.partition(b"\r\n\r\n")[2], b""
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, rest = out + rest[:n], rest[n + 2:]
+
+
+def _direct_answer(port: int, n: int) -> bytes:
+    s = connect(port)
+    s.sendall(raw_request(port, chat_body(True, n)))
+    got = _read_until(s, b"\r\n0\r\n\r\n")
+    s.close()
+    return _dechunk(got)
+
+
+def test_the_same_bytes_written_straight_to_the_socket_or_through_the_servers_send(fleet, tokenizer):
+    """``kvevents serve`` writes a streamed answer's chunks to the client's socket from the
+    engine connection's read callback; under another server (uvicorn's h11 protocol here)
+    they go through ASGI ``send``. The same bytes either way, and either way a client that
+    leaves closes the engine's stream."""
+    import uvicorn
+
+    from kvevents.api import create_app
+    from kvevents.service.settings import load_settings
+    from support import free_port
+
+    with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}") as g:
+        direct = _direct_answer(g.port, 300)
+    settings = load_settings(None, env={}, engines=[
+        f"e{i}=tcp://127.0.0.1:{free_port()},model=fake,http={u}" for i, u in enumerate(fleet.urls)],
+        tokenizers=[f"fake={tokenizer}"])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, http="h11",
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started, 10)
+        import httpx
+        assert wait_for(lambda: all(e["gateway"]["reachable"] for e in httpx.get(
+            f"http://127.0.0.1:{port}/v1/engines").json()["engines"]), 10)
+        through = _direct_answer(port, 300)
+        assert through == direct and through.count(b'"delta"') == 300 and through.endswith(b"[DONE]\n\n")
+        s = connect(port)
+        s.sendall(raw_request(port, chat_body(True, 3000)))
+        _read_until(s, b"data: ")
+        reset(s)
+        assert wait_for(lambda: fleet.stats.open == 0, 1.0, 0.01)
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -24,6 +24,11 @@ Every close is counted (``kvevents_gateway_connections_closed_total{reason}``). 
 the common path: a request that arrives in one packet arms no timer at all; one that
 spans packets arms one timer.
 
+It also offers each request's connection to the gateway's streamed answers
+(``scope["extensions"]["kvevents.direct"]``, :mod:`kvevents.gateway.relay`): their body
+is written to the socket as the engine sends it, and :attr:`on_writable` is called when
+the socket drains after being full.
+
 Lifecycle: one instance per connection, made by uvicorn; :func:`guarded_class` makes the
 class for one app and its limits. It relies on ``HttpToolsProtocol``'s ``connection_made``,
 ``data_received``, ``on_headers_complete``, ``on_message_complete``,
@@ -35,7 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvevents.gateway.relay import DIRECT
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +55,7 @@ except ImportError:  # pragma: no cover - an install without httptools
 __all__ = ["ConnLimits", "GuardedHttpProtocol", "guarded_class"]
 
 _USED = ("connection_made", "data_received", "on_headers_complete", "on_message_complete",
-         "on_response_complete", "connection_lost")
+         "on_response_complete", "connection_lost", "resume_writing")
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,8 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
     _head_since: float | None = None
     _in_body = False  # the head is in, the body is still arriving
     _body_seen = 0.0  # loop time of the last bytes while _in_body
+    #: Called when the client's socket drained after being full (set by a direct relay).
+    on_writable: Callable[[], None] | None = None
 
     # -- uvicorn's protocol ------------------------------------------------------------
 
@@ -122,6 +132,14 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
     def on_headers_complete(self) -> None:
         self._head_done()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # this request's cycle
+            self.scope.setdefault("extensions", {})[DIRECT] = (self, cycle)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.on_writable is not None:
+            self.on_writable()
 
     def on_message_complete(self) -> None:
         self._message_done()

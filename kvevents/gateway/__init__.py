@@ -4,6 +4,9 @@ Files::
 
     proxy.py    Gateway: route (index + load + session), forward unchanged, stream back,
                 retry before the first byte, account; the request's whole life
+    relay.py    a streamed answer as one response owning the engine's stream and the
+                request's slot to its last byte; chunks written to the client's socket
+                as the engine sends them (kvevents serve), else through ASGI send
     prompt.py   what the gateway reads of a body (model, stream, prompt) and the
                 prompt's token ids (local tokenizer, else the engine's /tokenize)
     load.py     each engine's load: first-hand in-flight requests and uncomputed prompt

@@ -17,14 +17,30 @@ relay ends (the answer's end, the client gone, the engine broken off, cancelled)
 slot and load are released and it is counted. A relay that is dropped without ever being
 sent (its request task cancelled in between) is closed by its finaliser.
 
-Backpressure: one chunk at a time goes to the client; the server's ``send`` waits while
-the client's socket is full, and meanwhile the engine's stream buffers at most
-:data:`~kvevents.gateway.upstream._HIGH_WATER` bytes before the engine is paused.
+The bytes, two ways:
+
+* **direct** (``kvevents serve``: its protocol puts the connection in the request's scope,
+  ``scope["extensions"][DIRECT]``): once the server has sent the head, each piece the
+  engine's connection reads is written to the client's socket from that read callback,
+  framed as an HTTP/1.1 chunk: no coroutine, task or ``send`` message per chunk. The
+  server's ``send`` still writes the head and the final chunk, so its view of the
+  response stays whole. Backpressure: when the client's socket is full (the server's
+  flow control says so after a write), reading from the engine pauses, and resumes when
+  the server's protocol says the socket drained;
+* **through ``send``** (any other server, or a response the server does not frame as
+  chunked): one chunk at a time; the server's ``send`` waits while the client's socket is
+  full, and meanwhile the engine's stream buffers at most
+  :data:`~kvevents.gateway.upstream._HIGH_WATER` bytes before the engine is paused.
+
+Either way the answer's last :data:`USAGE_TAIL` bytes are kept for its usage chunk (a few
+operations per chunk), TTFT is taken at its first body byte, and the request is counted
+once, at its end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable
 
@@ -39,7 +55,12 @@ log = logging.getLogger(__name__)
 
 USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
 
-__all__ = ["Relay", "USAGE_TAIL"]
+#: The ASGI scope extension under which the server's protocol offers the connection:
+#: ``(protocol, cycle)``, uvicorn's ``HttpToolsProtocol`` and the request's
+#: ``RequestResponseCycle`` (see :func:`_direct_out`).
+DIRECT = "kvevents.direct"
+
+__all__ = ["DIRECT", "Relay", "USAGE_TAIL"]
 
 
 class Relay(Response):
@@ -83,24 +104,18 @@ class Relay(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            first = True
-            try:
-                async for chunk in up.aiter_raw():
-                    if first:
-                        self._on_first()
-                        first = False
-                    tail = (tail + chunk)[-USAGE_TAIL:]
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    if gone.done():
-                        break
-            except UpstreamError as exc:
-                if not gone.done():
-                    # The engine broke off: say so in the stream, in OpenAI's shape (the
-                    # official client raises on it), instead of ending as if complete.
-                    status = 502
-                    log.warning("engine %s broke off a streamed answer: %s", self.engine, exc)
-                    await send({"type": "http.response.body", "more_body": True, "body": b"data: " + error_body(
-                        502, f"engine {self.engine} broke off its answer: {exc}") + b"\n\n"})
+            out = _direct_out(scope)
+            if out is not None:
+                tail = await self._direct(*out)
+            else:
+                tail = await self._through(send, gone)
+            if up.error is not None and not gone.done():
+                # The engine broke off: say so in the stream, in OpenAI's shape (the
+                # official client raises on it), instead of ending as if complete.
+                status = 502
+                log.warning("engine %s broke off a streamed answer: %s", self.engine, up.error)
+                await send({"type": "http.response.body", "more_body": True, "body": b"data: " + error_body(
+                    502, f"engine {self.engine} broke off its answer: {up.error}") + b"\n\n"})
             if gone.done():
                 if not is_complete(tail):
                     status = 499
@@ -113,6 +128,72 @@ class Relay(Response):
         finally:
             gone.cancel()
             self._end(status, tail)
+
+    async def _through(self, send: Send, gone: asyncio.Future) -> bytes:
+        """The body through the server's ``send``, chunk by chunk; its last bytes."""
+        tail = b""
+        first = True
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if first:
+                    self._on_first()
+                    first = False
+                tail = (tail + chunk)[-USAGE_TAIL:]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if gone.done():
+                    break
+        except UpstreamError:
+            pass  # the engine broke off, or the client left: the caller tells which
+        return tail
+
+    async def _direct(self, protocol, cycle) -> bytes:
+        """The body written to the client's socket as the engine's connection reads it
+        (see the module docstring); its last bytes, once the answer ended."""
+        up = self.upstream
+        transport, flow = protocol.transport, protocol.flow
+        kept: collections.deque[bytes] = collections.deque()
+        size = 0
+        ended = asyncio.get_running_loop().create_future()
+
+        def sink(data: bytes) -> None:
+            nonlocal size
+            if not kept:
+                self._on_first()
+            if not cycle.disconnected:
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                if flow.write_paused:  # the client's socket is full: stop reading the engine
+                    up.pause_reading()
+            kept.append(data)
+            size += len(data)
+            while size - len(kept[0]) >= USAGE_TAIL:
+                size -= len(kept.popleft())
+
+        def end() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        protocol.on_writable = up.resume_reading
+        try:
+            up.relay_to(sink, end)
+            await ended
+        finally:
+            protocol.on_writable = None
+        return b"".join(kept)
+
+
+def _direct_out(scope: Scope) -> tuple | None:
+    """The connection and request cycle the server offers for writing this response's
+    body straight to the socket, if it offers one and frames the response as chunked
+    (what ``_direct`` writes); else None (the body goes through ``send``)."""
+    got = scope.get("extensions", {}).get(DIRECT)
+    if got is None:
+        return None
+    protocol, cycle = got
+    if (getattr(cycle, "response_started", False) and getattr(cycle, "chunked_encoding", None) is True
+            and not cycle.response_complete and not cycle.disconnected
+            and getattr(protocol, "cycle", None) is cycle and hasattr(protocol, "on_writable")):
+        return got
+    return None
 
 
 async def _disconnected(receive: Receive) -> None:

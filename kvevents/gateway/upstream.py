@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -86,10 +86,16 @@ class UpstreamResponse:
         self._error: UpstreamError | None = None
         self._wakeup: asyncio.Future | None = None
         self._closed = False
+        self._sink: Callable[[bytes], None] | None = None  # see relay_to
+        self._on_end: Callable[[], None] | None = None
 
     # -- fed by the connection -------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            sink(data)
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER:
@@ -106,6 +112,9 @@ class UpstreamResponse:
     def _wake(self) -> None:
         if self._wakeup is not None and not self._wakeup.done():
             self._wakeup.set_result(None)
+        if self._on_end is not None and (self._complete or self._error is not None or self._closed):
+            end, self._on_end = self._on_end, None
+            end()
 
     # -- read by the gateway ---------------------------------------------------------------
 
@@ -130,6 +139,32 @@ class UpstreamResponse:
             self._wakeup = asyncio.get_running_loop().create_future()
             await self._wakeup
             self._wakeup = None
+
+    def relay_to(self, sink: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
+        """Hand the body to ``sink`` piece by piece as the connection reads it (what is
+        buffered already first, at once), instead of to :meth:`aiter_raw`, and call
+        ``on_end()`` once when the answer ends (complete, broken off: see :attr:`error`,
+        or closed). ``sink`` runs in the connection's read callback: it must not raise;
+        it applies backpressure with :meth:`pause_reading` / :meth:`resume_reading`."""
+        self._buffered = 0
+        self._conn.resume()  # (nothing arrives before this returns: the sink may pause it)
+        while self._chunks:
+            sink(self._chunks.popleft())
+        self._sink = sink
+        self._on_end = on_end
+        self._wake()  # already ended: on_end now
+
+    @property
+    def error(self) -> UpstreamError | None:
+        """Why the answer ended before its end (None: it did not, or not yet)."""
+        return None if self._complete else self._error
+
+    def pause_reading(self) -> None:
+        """Stop reading the engine (the client's socket is full)."""
+        self._conn.pause()
+
+    def resume_reading(self) -> None:
+        self._conn.resume()
 
     async def aread(self) -> bytes:
         """The whole body."""
