@@ -119,23 +119,43 @@ def _with_worker(line: str, worker: int) -> str:
     return f'{line[:space]}{{worker="{worker}"}}{line[space:]}'
 
 
-def _board_series(board: WorkerBoard, scraped: dict[int, bool]) -> str:
-    now = time.monotonic()
-    rows = ["# HELP kvevents_workers Worker processes serving the port (kvevents serve --workers).",
-            "# TYPE kvevents_workers gauge", f"kvevents_workers {board.workers}",
-            "# HELP kvevents_worker_ready 1 when the worker's own /readyz said ready within "
-            "the last few seconds.", "# TYPE kvevents_worker_ready gauge"]
-    rows += [f'kvevents_worker_ready{{worker="{i}"}} {int(board.is_ready(i, now))}'
-             for i in range(board.workers)]
-    rows += ["# HELP kvevents_worker_restarts_total Times the worker's process died and "
-             "was started again.", "# TYPE kvevents_worker_restarts_total counter"]
-    rows += [f'kvevents_worker_restarts_total{{worker="{i}"}} {board.restarts[i]}'
-             for i in range(board.workers)]
-    rows += ["# HELP kvevents_worker_scraped 1 when the worker's own metrics are in this "
-             "scrape (0: it did not answer in time).", "# TYPE kvevents_worker_scraped gauge"]
-    rows += [f'kvevents_worker_scraped{{worker="{i}"}} {int(scraped.get(i, False))}'
-             for i in range(board.workers)]
-    return "\n".join(rows) + "\n"
+class WorkerSeries:
+    """The supervisor's series of every worker, from the board, as a Prometheus
+    collector (``kvevents_workers``, ``kvevents_worker_ready``,
+    ``kvevents_worker_restarts_total``, ``kvevents_worker_scraped``). ``scraped``: the
+    workers whose own metrics are in this scrape (None: all of them)."""
+
+    def __init__(self, board: WorkerBoard, scraped: set[int] | None = None) -> None:
+        self.board = board
+        self.scraped = scraped
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        board, now = self.board, time.monotonic()
+        workers = range(board.workers)
+        yield GaugeMetricFamily("kvevents_workers", "Worker processes serving the port "
+                                "(kvevents serve --workers).", value=board.workers)
+        ready = GaugeMetricFamily("kvevents_worker_ready", "1 when the worker's own /readyz "
+                                  "said ready within the last few seconds.", labels=["worker"])
+        restarts = CounterMetricFamily("kvevents_worker_restarts", "Times the worker's "
+                                       "process died and was started again.", labels=["worker"])
+        scraped = GaugeMetricFamily("kvevents_worker_scraped", "1 when the worker's own metrics "
+                                    "are in this scrape (0: it did not answer in time).",
+                                    labels=["worker"])
+        for i in workers:
+            ready.add_metric([str(i)], int(board.is_ready(i, now)))
+            restarts.add_metric([str(i)], board.restarts[i])
+            scraped.add_metric([str(i)], int(self.scraped is None or i in self.scraped))
+        yield from (ready, restarts, scraped)
+
+
+def _board_series(board: WorkerBoard, scraped: set[int]) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerSeries(board, scraped))
+    return generate_latest(registry).decode()
 
 
 class WorkerApp:
@@ -295,8 +315,7 @@ class WorkerApp:
         for i, got in zip(peers, others):
             if got is not None and got[0] == 200:
                 texts[i] = got[2].decode()
-        scraped = {i: i in texts for i in range(self.board.workers)}
-        merged = merge_expositions(dict(sorted(texts.items()))) + _board_series(self.board, scraped)
+        merged = merge_expositions(dict(sorted(texts.items()))) + _board_series(self.board, set(texts))
         await _respond(send, 200, merged.encode(), _content_type(headers))
 
     # -- engines followed at run time ------------------------------------------------
