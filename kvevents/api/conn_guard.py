@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -134,7 +135,9 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # this request's cycle
-            self.scope.setdefault("extensions", {})[DIRECT] = (self, cycle)
+            # Weak: the scope lives in the cycle and the protocol, and a cycle of strong
+            # references would keep every connection's objects until a full collection.
+            self.scope.setdefault("extensions", {})[DIRECT] = (weakref.ref(self), weakref.ref(cycle))
 
     def resume_writing(self) -> None:
         super().resume_writing()

@@ -49,7 +49,7 @@ from kvevents.gateway.answers import (answer_headers, cached_tokens, expected_ca
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.inflight import InflightPrompts
 from kvevents.gateway.load import EngineLoads
-from kvevents.gateway.memory import IdleTrim
+from kvevents.gateway.memory import MemoryTrim
 from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
 from kvevents.gateway.relay import Relay
@@ -90,7 +90,7 @@ class Gateway:
         self.flights = InflightPrompts()  # prompts sent and not finished, per engine
         self.sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.inflight = 0  # requests holding a slot (admitted, last byte not yet sent)
-        self.trim = IdleTrim(lambda: self.inflight)  # freed memory back to the OS when idle
+        self.trim = MemoryTrim(lambda: self.inflight)  # freed memory back to the OS after a burst
         self.client: httpx.AsyncClient | None = None  # polls, /tokenize, /v1/models
         self.upstream = UpstreamPool()  # the proxied requests themselves
         self.tokens: PromptTokens | None = None
@@ -168,6 +168,7 @@ class Gateway:
             self.metrics.requests.labels("", "", str(exc.status)).inc()
             return exc.response()
         self.inflight += 1
+        self.trim.started(self.inflight)
         relayed = False
         req: OpenAIRequest | None = None
         try:
@@ -186,7 +187,7 @@ class Gateway:
         finally:
             if not relayed:
                 self.inflight -= 1
-                self.trim.request_ended()
+                self.trim.ended()
 
     def _check_chars(self, req: OpenAIRequest) -> None:
         """400 for a prompt longer than ``max_prompt_chars`` characters, before it is
@@ -407,7 +408,7 @@ class Gateway:
 
         def end(status: int, tail: bytes) -> None:
             self.inflight -= 1
-            self.trim.request_ended()
+            self.trim.ended()
             self._finished(engine, prefill)
             cached = stream_cached_tokens(tail) if status < 400 else None
             self._count(engine, model, status, t0, None if cached is None else (cached, predicted))

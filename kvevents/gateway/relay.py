@@ -56,8 +56,8 @@ log = logging.getLogger(__name__)
 USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
 
 #: The ASGI scope extension under which the server's protocol offers the connection:
-#: ``(protocol, cycle)``, uvicorn's ``HttpToolsProtocol`` and the request's
-#: ``RequestResponseCycle`` (see :func:`_direct_out`).
+#: weak references to ``(protocol, cycle)``, uvicorn's ``HttpToolsProtocol`` and the
+#: request's ``RequestResponseCycle`` (see :func:`_direct_out`).
 DIRECT = "kvevents.direct"
 
 __all__ = ["DIRECT", "Relay", "USAGE_TAIL"]
@@ -188,11 +188,13 @@ def _direct_out(scope: Scope) -> tuple | None:
     got = scope.get("extensions", {}).get(DIRECT)
     if got is None:
         return None
-    protocol, cycle = got
+    protocol, cycle = got[0](), got[1]()
+    if protocol is None or cycle is None:
+        return None
     if (getattr(cycle, "response_started", False) and getattr(cycle, "chunked_encoding", None) is True
             and not cycle.response_complete and not cycle.disconnected
             and getattr(protocol, "cycle", None) is cycle and hasattr(protocol, "on_writable")):
-        return got
+        return protocol, cycle
     return None
 
 
