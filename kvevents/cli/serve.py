@@ -141,6 +141,7 @@ def serve_app(settings: AggregatorSettings, *, reuse_port: bool = False,
         log.info("following %s at %s%s", engine.name, engine.endpoint,
                  f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else "")
     config = uvicorn_config(wrap(app) if wrap else app, lookup_in_protocol=settings.lookup_in_protocol,
+                            limits=ConnLimits.from_settings(settings),
                             log_level=settings.log_level, access_log=False)
     try:
         uvicorn.Server(config).run(sockets=[sock, *extra_sockets])
