@@ -1,8 +1,8 @@
 """Hostile requests against the gateway, with real sockets: a real ``kvevents serve``
 process in front of fake engines (:mod:`hostile_engine`), a fresh one per test.
 
-* malformed bodies (invalid UTF-8, JSON nested 10,000 deep, a 7.9 MB prompt, a declared
-  100 MB body, a client that leaves mid-upload): each an OpenAI-shaped 4xx within 2 s with
+* malformed bodies (invalid UTF-8, JSON nested 10,000 deep, a 7.9 MB prompt or tool call,
+  a declared 100 MB body, a client that leaves mid-upload): each an OpenAI-shaped 4xx within 2 s with
   little memory (the prompt's characters are checked before tokenizing), the connection
   closed after a 413, a client gone mid-upload a counted 499 and no traceback;
 * slowloris: connections that trickle a head or a body are closed by the head and body
@@ -92,6 +92,10 @@ def test_malformed_bodies_are_4xx_quickly_with_little_memory(fleet, tokenizer):
             b'{"model":"fake","x":' + deep + b',"messages":[{"role":"user","content":"hi"}]}', None),
         "nested 10,000 deep in a message": (_message(deep), None),
         "a 7.9 MB prompt": (huge, "messages"),
+        "a 7.9 MB tool call": (b'{"model":"fake","messages":[{"role":"assistant","content":null,"tool_calls":'
+                               b'[{"id":"1","type":"function","function":{"name":"f","arguments":"'
+                               + words * (7_900_000 // len(words)) + b'"}}]},{"role":"user","content":"hi"}]}',
+                               "messages"),
     }
     with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}") as g:
         rss0 = g.rss_mb()
@@ -105,7 +109,7 @@ def test_malformed_bodies_are_4xx_quickly_with_little_memory(fleet, tokenizer):
             err = _openai_error(status, answer)
             assert took < 2, (what, took)
             assert g.rss_mb() - rss0 < 200, (what, g.rss_mb(), rss0)
-            if what == "a 7.9 MB prompt":
+            if what.startswith("a 7.9 MB"):
                 assert "characters" in err["message"] and err["param"] == "messages", err
 
         # A declared 100 MB body: 413 at once, and the connection closed (the rest not read).

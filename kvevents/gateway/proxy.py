@@ -445,19 +445,21 @@ class Gateway:
 
 
 def prompt_chars(req: OpenAIRequest) -> int:
-    """Characters of a request's prompt text: a completion's string prompt, or the text of
-    every chat message (string contents and the text of content parts). One step per
-    message, not per character."""
+    """Characters of a request's prompt text: a completion's string prompt, or every
+    string in the chat messages (contents, content parts, tool calls' arguments, names:
+    whatever a chat template may render). One step per string, not per character."""
     if req.kind != CHAT:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
     total = 0
-    for message in req.messages or ():
-        content = message.get("content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p["text"]) for p in content
-                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    stack: list = [req.messages or ()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
     return total
 
 
