@@ -159,7 +159,7 @@ class Relay(Response):
             nonlocal size
             if not kept:
                 self._on_first()
-            if not cycle.disconnected:
+            if not transport.is_closing():  # (closed before the server saw it: raises)
                 transport.write(b"%x\r\n%b\r\n" % (len(data), data))
                 if flow.write_paused:  # the client's socket is full: stop reading the engine
                     up.pause_reading()
