@@ -233,6 +233,10 @@ def test_the_same_bytes_written_straight_to_the_socket_or_through_the_servers_se
 
     with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}") as g:
         direct = _direct_answer(g.port, 300)
+        # Accounted once, at the end: the status, TTFT, and the usage chunk's cached tokens.
+        assert wait_for(lambda: g.metric("kvevents_gateway_requests_total", status="200") == 1, 5)
+        assert g.metric("kvevents_gateway_ttft_seconds_count") == 1
+        assert g.metric("kvevents_gateway_usage_reports_total") == 1
     settings = load_settings(None, env={}, engines=[
         f"e{i}=tcp://127.0.0.1:{free_port()},model=fake,http={u}" for i, u in enumerate(fleet.urls)],
         tokenizers=[f"fake={tokenizer}"])
