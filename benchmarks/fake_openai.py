@@ -180,8 +180,9 @@ class _Engine(asyncio.Protocol):
         asyncio.get_running_loop().call_later(step, self._paced, events, i + 1, step)
 
     def _plain(self, status: int, body: bytes, kind: bytes) -> None:
-        self.t.write(b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                     % (status, kind, len(body), body))
+        reason = b"OK" if status == 200 else b"Not Found"
+        self.t.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                     % (status, reason, kind, len(body), body))
 
 
 def run_engine(args: argparse.Namespace) -> None:
