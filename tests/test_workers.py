@@ -276,3 +276,17 @@ def test_each_worker_gets_its_share_of_the_process_bounds(tmp_path):
     assert w0.data_dir == str(tmp_path) and w2.data_dir == str(tmp_path / "worker-2")
     if "max_connections" in type(s).model_fields:
         assert w2.max_connections == s.max_connections // 3
+
+
+def test_each_worker_snapshots_to_its_own_place(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(port, "--workers", "2", "--data-dir", str(tmp_path / "data"),
+                  log=tmp_path / "serve.log")
+    try:
+        assert wait_until(lambda: (_readyz(url) or {}).get("code") == 200, 30)
+    finally:
+        assert _stop(proc) == 0
+    # Each wrote its final snapshot on the way out, neither over the other's.
+    assert (tmp_path / "data" / "snapshot.bin").is_file()
+    assert (tmp_path / "data" / "worker-1" / "snapshot.bin").is_file()
