@@ -329,8 +329,10 @@ def test_hot_handlers_stay_on_the_event_loop():
 
     from fastapi.routing import APIRoute
 
+    from kvevents.api import api_routes
+
     app = create_app(AggregatorSettings())
-    hot = {r.path: r for r in app.routes if isinstance(r, APIRoute) and r.path in ("/v1/lookup", "/v1/route")}
+    hot = {r.path: r for r in api_routes(app.router.routes) if r.path in ("/v1/lookup", "/v1/route")}
     assert set(hot) == {"/v1/lookup", "/v1/route"}
     for path, r in hot.items():
         assert inspect.iscoroutinefunction(r.endpoint), path

@@ -8,12 +8,13 @@ thin: they decode, call the service or the router, and encode.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
-from starlette.routing import request_response
+from starlette.routing import Route
 
 from kvevents import __version__
 from kvevents.api import (routes_engines, routes_openai, routes_ops, routes_query, routes_route,
@@ -104,6 +105,18 @@ def create_app(
 HOT_PATHS = ("/v1/lookup", "/v1/route", "/v1/chat/completions", "/v1/completions")
 
 
+def api_routes(routes: list) -> Iterator[APIRoute]:
+    """Every ``APIRoute`` of a route list, those of included routers too: FastAPI 0.165
+    keeps an included router as one entry (its ``original_router``) where earlier
+    releases copied its routes into the app's list. (The app includes its routers
+    without a prefix of their own, so each route's path is the served path.)"""
+    for r in routes:
+        if isinstance(r, APIRoute):
+            yield r
+        elif (inner := getattr(r, "original_router", None)) is not None:
+            yield from api_routes(inner.routes)
+
+
 def serve_lean(app: FastAPI, paths: tuple[str, ...]) -> None:
     """Serve the handlers of ``paths`` through Starlette's ``request_response``, first
     in the route list.
@@ -111,12 +124,11 @@ def serve_lean(app: FastAPI, paths: tuple[str, ...]) -> None:
     Why: they take only the ``Request`` and return a ``Response``, so FastAPI's
     per-request dependency solving around them (query parsing, an exit stack: about
     60 us a lookup here, a sixth of the event loop's time per request) does nothing
-    for them, and route matching walks the list in order. The error handlers still
-    apply (``request_response`` routes exceptions to them), and the ``APIRoute`` stays,
-    so OpenAPI is unchanged. A route with dependencies (an auth guard, say) is left as
-    it is: skipping them would skip the guard."""
-    hot = [r for r in app.router.routes if isinstance(r, APIRoute) and r.path in paths
-           and not r.dependant.dependencies]
-    for route in hot:
-        route.app = request_response(route.endpoint)
-    app.router.routes[:] = hot + [r for r in app.router.routes if r not in hot]
+    for them, and route matching walks the list in order. Each gets a plain Starlette
+    ``Route`` in front, left out of the schema; the error handlers still apply
+    (``request_response`` routes exceptions to them), and the ``APIRoute`` stays where it
+    was, so OpenAPI is unchanged. A route with dependencies (an auth guard, say) is left
+    as it is: skipping them would skip the guard."""
+    hot = [r for r in api_routes(app.router.routes) if r.path in paths and not r.dependant.dependencies]
+    app.router.routes[:0] = [Route(r.path, r.endpoint, methods=sorted(r.methods), name=r.name,
+                                   include_in_schema=False) for r in hot]
