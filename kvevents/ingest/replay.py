@@ -124,6 +124,7 @@ class ReplayClient:
         try:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.IPV6, 1)  # IPv6 replay endpoints too (IPv4 still works)
             dealer.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             dealer.connect(src.config.replay_endpoint)
         except zmq.ZMQError as exc:

@@ -62,6 +62,7 @@ class SocketSet:
             sub.setsockopt(zmq.RCVHWM, self._recv_hwm)
             sub.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.IPV6, 1)  # an engine found by its AAAA record: tcp://[::1]:PORT
             sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
             # The monitor must exist before connect/bind or the first CONNECTED is missed.
             monitor = sub.get_monitor_socket(

@@ -200,10 +200,12 @@ class ZmqEventPublisher(EventPublisher):
         try:
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             pub.setsockopt(zmq.LINGER, 1000)
+            pub.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT too (IPv4 endpoints unchanged)
             (pub.bind if self._binds(self.endpoint) else pub.connect)(self.endpoint)
             if self.replay_endpoint is not None:
                 router = self._ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
+                router.setsockopt(zmq.IPV6, 1)
                 (router.bind if self._binds(self.replay_endpoint) else router.connect)(
                     self.replay_endpoint
                 )

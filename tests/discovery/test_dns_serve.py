@@ -196,7 +196,8 @@ def test_serve_against_a_server_failing_aaaa(tmp_path, how):
 @pytest.mark.parametrize("server", ["tiny", "dnsmasq-local", "dnsmasq-no-local"])
 def test_serve_aaaa_only_name(tmp_path, server):
     """An IPv6-only name: A REFUSED (the tests' own server; dnsmasq without --local) or
-    NODATA (dnsmasq --local), AAAA ::1. The IPv6 engine is followed under its address."""
+    NODATA (dnsmasq --local), AAAA ::1. The IPv6 engine is followed under its address,
+    connected over IPv6, and its events are in the index."""
     if server == "tiny":
         dns = TinyDns()
         dns.set("fleet.test", "A", "refused")
@@ -204,16 +205,23 @@ def test_serve_aaaa_only_name(tmp_path, server):
     else:
         dns = Dnsmasq(tmp_path, ["::1 fleet.test"], local=server == "dnsmasq-local")
     events, replay = free_port(), free_port()
+    fleet = Fleet()
+    fleet.add("[::1]", events, replay, seed=7)
     serve = Serve(tmp_path, *dns_args("fleet.test", dns.server, events, replay))
     try:
         assert wait_until(lambda: "fleet-::1" in serve.engines(), 10), serve.source()
         assert serve.engines()["fleet-::1"]["endpoint"] == f"tcp://[::1]:{events}"
+        assert wait_until(lambda: serve.engines()["fleet-::1"].get("connected"), 10), serve.engines()
+        body = {"token_ids": [7] * BS}  # the batch published before we connected: by replay
+        assert wait_until(lambda: [x["engine"] for x in httpx.post(
+            f"http://127.0.0.1:{serve.port}/v1/lookup", json=body, timeout=5).json()["engines"]] == ["fleet-::1"], 10)
         a = ("nodata", None) if server == "dnsmasq-local" else ("failed", "refused")
         assert serve.queries() == {"A": a, "AAAA": ("answer", None)}
         assert serve.source()["errors"] == 0 and serve.source()["first_round_done"]
     finally:
         serve.stop()
         dns.close()
+        fleet.close()
 
 
 @pytest.mark.timeout(90)
