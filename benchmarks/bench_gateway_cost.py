@@ -1,22 +1,29 @@
-"""What the gateway costs per request, with 1 and with N workers: ``kvevents serve``
-between a fast load generator and fast fake OpenAI engines (benchmarks/fake_openai.py).
+"""What the gateway costs per request, with 1 and with N workers, beside vllm-router:
+``kvevents serve`` and ``vllm-router`` between a fast load generator and fast fake OpenAI
+engines (benchmarks/fake_openai.py).
 
 Two fake engines (one process each: raw asyncio + httptools on uvloop; vLLM-shaped SSE,
 ``--chunks`` chunks of 3 tokens, ``/metrics`` gauges, a ZeroMQ publisher with replay
 that publishes nothing, so the index stays empty and every decision is by load; with
 ``--kv-events`` each engine publishes its prompts' blocks, so the index fills and every
-worker's ingest runs) and,
-per side and round, a fresh ``kvevents serve --workers W`` (``--tokenizer`` the demo's
-tiny tokenizer: every chat is rendered and tokenized) in its own session. Workload:
+worker's ingest runs; ``POST /v1/chat/completions/render`` answered as vLLM 0.32 does,
+the chat tokenized with the same tokenizer) and, per side and round, a fresh router in
+its own session: ``kvevents serve --workers W`` (``--tokenizer`` the demo's tiny
+tokenizer: every chat is rendered and tokenized), or vllm-router 0.1.17 (the ``bench``
+extra, started as bench_gateway.py starts it) with each policy of ``--vllm-router``:
+``round_robin``, and ``cache_aware``, which asks an engine's render endpoint for every
+chat's token ids before it routes (a run in which vllm-router counts a render it could
+not use, ``vllm_router_kv_routing_inputs_total{result!="render"}``, fails). Workload:
 ``--prompts`` chat bodies, one of 8 shared system prompts (~360 tokens) and a unique
 user turn (~280 tokens), streamed with ``stream_options.include_usage``. Phases, in
 this order, on the same server, after 200 requests of warm-up:
 
 * ``idle``: ``--idle-s`` seconds without requests: the server's
-  CPU in cores (engine polls, readiness, ingest loops);
+  CPU in cores (engine polls, health checks, readiness, ingest loops);
 * ``cost``: ``--requests`` streamed chats at 16 in flight, the engines pacing one chunk
   per 2 ms (decode steps): the server's CPU per request, as utime + stime of every
-  process of its session (supervisor and workers, every thread) from ``/proc``;
+  process of its session (supervisor and workers, every thread; vllm-router's launcher
+  and its Rust threads) from ``/proc``;
 * ``rate``: ``--requests`` streamed chats at ``--concurrency`` (32) in flight, engines
   not pacing: requests/s (on a 2-core box the load generator and the engines share the
   cores with the server: the figure is the box's, said with the load generator's and
@@ -30,10 +37,14 @@ Every answer is checked byte for byte against what the engine sent (mismatches a
 reported, and fail the run). Sides alternate in rotating order over ``--rounds``;
 medians [min-max] are reported.
 
-    .venv/bin/python benchmarks/bench_gateway_cost.py [--workers 1,2] [--rounds 3] [--requests 2000]
+The engines' CPU (render included) and the load generator's are reported per request
+beside the server's, and the ratios of our CPU per request to each vllm-router policy's.
 
-vllm-router is not installed in the project's environment; this benchmark compares our
-gateway with itself (1 worker against N).
+    .venv/bin/pip install -e '.[bench]'   # vllm-router==0.1.17
+    .venv/bin/python benchmarks/bench_gateway_cost.py [--workers 1,2] \
+        [--vllm-router round_robin,cache_aware] [--rounds 3] [--requests 2000]
+
+``--vllm-router none`` compares our gateway with itself only (no vllm-router needed).
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ import argparse
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,8 +156,57 @@ def start_server(workers: int, engines: list[dict], tok_dir: Path, log: Path) ->
     raise RuntimeError(f"kvevents serve did not become ready; see {log}")
 
 
+def vllm_router_exe() -> str:
+    exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+    if exe is None:
+        raise SystemExit("vllm-router is not installed: .venv/bin/pip install -e '.[bench]' "
+                         "(vllm-router==0.1.17), or pass --vllm-router none")
+    return exe
+
+
+def start_vllm_router(policy: str, engines: list[dict], log: Path) -> tuple:
+    """A fresh vllm-router with ``policy`` in its own session, the flags bench_gateway.py
+    gives it; returns (process, port, metrics port) once ``/health`` and ``/v1/models``
+    answer."""
+    port, metrics_port = free_port(), free_port()
+    cmd = [vllm_router_exe(), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+           *[f"http://127.0.0.1:{e['port']}" for e in engines], "--policy", policy,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+           "--worker-startup-check-interval", "1", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm-router {policy} exited (rc={proc.returncode}); see {log}")
+        try:
+            with httpx.Client(timeout=2) as c:
+                if c.get(url + "/health").status_code == 200 and c.get(url + "/v1/models").status_code == 200:
+                    return proc, port, metrics_port
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop(proc)
+    raise RuntimeError(f"vllm-router {policy} did not become ready; see {log}")
+
+
+def kv_inputs(metrics_port: int) -> dict[str, float]:
+    """vllm-router's ``vllm_router_kv_routing_inputs_total`` by result (render, render_unavailable...)."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^vllm_router_kv_routing_inputs_total\{[^}]*result="([^"]+)"[^}]*\} (\S+)$',
+                         text, re.M):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+    """SIGTERM to the router's whole session (vllm-router's launcher and its children too)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
@@ -152,14 +214,20 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def run_side(workers: int, engines: list[dict], files: dict, tok_dir: Path, log: Path,
+def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Path,
              args: argparse.Namespace) -> dict:
-    proc, port = start_server(workers, engines, tok_dir, log)
+    """One fresh router (``ours:W`` or ``vllm-router:POLICY``) through every phase."""
+    kind, arg = side.split(":")
+    metrics_port = None
+    if kind == "ours":
+        proc, port = start_server(int(arg), engines, tok_dir, log)
+    else:
+        proc, port, metrics_port = start_vllm_router(arg, engines, log)
     try:
         load(port, files["cost"], 200, 16, args.chunks)  # warm-up: connections, caches
         cpu0 = session_cpu(proc.pid)
         time.sleep(args.idle_s)
-        out: dict = {"workers": workers,
+        out: dict = {"side": side,
                      "idle_cores": (session_cpu(proc.pid) - cpu0) / args.idle_s}
         for phase, conc in (("cost", 16), ("rate", args.concurrency)):
             eng0 = [pid_cpu(e["proc"].pid) for e in engines]
@@ -175,6 +243,13 @@ def run_side(workers: int, engines: list[dict], files: dict, tok_dir: Path, log:
                               pid_cpu(e["proc"].pid) - c for e, c in zip(engines, eng0)) / args.requests * 1e3,
                           "latency_p50_ms": median(got["latencies"]) * 1e3}
         out["added"] = added_latency(port, engines[0]["port"], files["added"], args)
+        if metrics_port is not None:
+            inputs = kv_inputs(metrics_port)
+            out["vllm_router_kv_routing_inputs"] = inputs
+            if arg == "cache_aware" and (set(inputs) - {"render"} or
+                                         inputs.get("render", 0) < 2 * args.requests):
+                raise RuntimeError(f"cache_aware did not tokenize every chat through the "
+                                   f"engines' render endpoint: {inputs}")
         return out
     finally:
         stop(proc)
@@ -196,6 +271,8 @@ def added_latency(port: int, engine_port: int, body_file: Path, args: argparse.N
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", default="1,2", help="worker counts to compare, comma-separated")
+    ap.add_argument("--vllm-router", default="round_robin,cache_aware",
+                    help="vllm-router policies beside ours, comma-separated ('none': ours only)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -207,7 +284,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--out", default="benchmarks/results/gateway_cost.json")
     args = ap.parse_args()
-    sides = [int(w) for w in args.workers.split(",")]
+    sides = [f"ours:{int(w)}" for w in args.workers.split(",")]
+    policies = [p for p in args.vllm_router.split(",") if p and p != "none"]
+    unknown = set(policies) - {"round_robin", "cache_aware", "random", "power_of_two"}
+    if unknown:
+        raise SystemExit(f"--vllm-router: unknown policies {sorted(unknown)}")
+    if policies:
+        vllm_router_exe()
+    sides += [f"vllm-router:{p}" for p in policies]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         from kvevents.demo.tiny_model import make_tiny_tokenizer
@@ -222,18 +306,18 @@ def main() -> None:
             e["proc"] = subprocess.Popen(
                 [sys.executable, FAKE, "engine", "--port", str(e["port"]), "--zmq-port", str(e["zmq"]),
                  "--replay-port", str(e["replay"]), "--chunks", str(args.chunks),
-                 *(["--tokenizer", str(tok_dir)] if args.kv_events else [])],
+                 "--tokenizer" if args.kv_events else "--render-tokenizer", str(tok_dir)],
                 cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
             assert e["proc"].stdout.readline().strip() == "ready"
             engines.append(e)
-        results: dict[int, list[dict]] = {w: [] for w in sides}
+        results: dict[str, list[dict]] = {s: [] for s in sides}
         try:
             for r in range(args.rounds):
                 order = sides[r % len(sides):] + sides[:r % len(sides)]
-                for w in order:
-                    got = run_side(w, engines, files, tok_dir, tmp / "serve.log", args)
-                    results[w].append(got)
-                    print(f"round {r + 1}, {w} worker(s): {got['rate']['requests_per_s']:.0f} req/s, "
+                for side in order:
+                    got = run_side(side, engines, files, tok_dir, tmp / "serve.log", args)
+                    results[side].append(got)
+                    print(f"round {r + 1}, {label(side)}: {got['rate']['requests_per_s']:.0f} req/s, "
                           f"{got['cost']['server_cpu_ms_per_request']:.2f} ms CPU/request", flush=True)
         finally:
             for e in engines:
@@ -242,15 +326,20 @@ def main() -> None:
     report(args, sides, results, tokens)
 
 
+def label(side: str) -> str:
+    kind, arg = side.split(":")
+    return f"ours, {arg} worker(s)" if kind == "ours" else f"vllm-router {arg}"
+
+
 def _mr(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
-def report(args: argparse.Namespace, sides: list[int], results: dict, tokens: int) -> None:
+def report(args: argparse.Namespace, sides: list[str], results: dict, tokens: int) -> None:
     rows = []
-    for w in sides:
-        rs = results[w]
-        rows.append([f"{w} worker(s)",
+    for side in sides:
+        rs = results[side]
+        rows.append([label(side),
                      _mr([x["cost"]["server_cpu_ms_per_request"] for x in rs]),
                      _mr([x["rate"]["requests_per_s"] for x in rs], "{:.0f}"),
                      _mr([x["rate"]["server_cpu_ms_per_request"] for x in rs]),
@@ -268,10 +357,20 @@ def report(args: argparse.Namespace, sides: list[int], results: dict, tokens: in
     print_table(["server", "CPU ms/req (16 in flight, paced)", f"req/s ({args.concurrency} in flight)",
                  "CPU ms/req (rate)", "server cores busy (rate)", "added p50 ms", "added p99 ms", "loadgen CPU ms/req",
                  "engines CPU ms/req", "idle cores"], rows)
+    ratios = {}
+    for ours in (s for s in sides if s.startswith("ours:")):
+        for peer in (s for s in sides if s.startswith("vllm-router:")):
+            for phase in ("cost", "rate"):
+                key = f"{ours}/{peer}/{phase}"
+                ratios[key] = (median([x[phase]["server_cpu_ms_per_request"] for x in results[ours]])
+                               / median([x[phase]["server_cpu_ms_per_request"] for x in results[peer]]))
+            print(f"CPU per request, {label(ours)} / {label(peer)}: "
+                  f"{ratios[f'{ours}/{peer}/cost']:.2f} (paced), {ratios[f'{ours}/{peer}/rate']:.2f} (rate)")
     write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv),
                           "kv_events": args.kv_events,
                           "load_average": os.getloadavg(), "prompt_tokens": tokens,
-                          "results": {str(w): results[w] for w in sides}})
+                          "cpu_per_request_ratios": ratios,
+                          "results": {s: results[s] for s in sides}})
 
 
 if __name__ == "__main__":

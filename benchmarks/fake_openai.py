@@ -8,15 +8,20 @@ The engine (``python fake_openai.py engine --port P --zmq-port Z --replay-port R
 chunked transfer encoding with ``--chunks`` chunks of ``--tokens-per-chunk`` tokens
 (one HTTP chunk each, ``bench_step_ms`` in the body spaces them, as decode steps do),
 the usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``; not
-streamed, one JSON answer. The text is a deterministic function of the request body
-(:func:`answer`), so the load generator checks every byte it gets. ``GET /metrics``
+streamed, one JSON answer. The text is a deterministic function of the request's
+messages (:func:`answer_key`: a router may re-serialize the body, as vllm-router does,
+adding its defaults), so the load generator checks every byte it gets. ``GET /metrics``
 has vLLM's load gauges; ``GET /v1/models`` and ``GET /health`` answer; a ZeroMQ
 publisher with a replay socket is bound on 127.0.0.1. Without ``--tokenizer`` it
 publishes nothing (the index stays empty, the routing decision still runs); with
 ``--tokenizer DIR`` it tokenizes each chat as the gateway does and publishes its prompt's
 full 16-token blocks that it does not hold yet (``BlockStored``, one batch a request),
 keeping ``--capacity`` blocks and publishing the least recently used ones it drops
-(``BlockRemoved``), as a prefix-caching engine does.
+(``BlockRemoved``), as a prefix-caching engine does. ``POST /v1/chat/completions/render``
+answers as vLLM 0.32 does (a generate request: ``request_id``, the prompt's
+``token_ids``, ``sampling_params``, ``model``...), the chat tokenized with ``--tokenizer``
+or ``--render-tokenizer`` (the demo's chat template); vllm-router's ``cache_aware`` asks it
+before every routing decision.
 
 The load generator (``python fake_openai.py load --url ... --requests N --concurrency C``)
 keeps C keep-alive connections, each sending its share of the requests one after the
@@ -41,8 +46,15 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "rho sigma tau upsilon phi chi psi omega").split()
 
 
+def answer_key(doc: dict) -> bytes:
+    """What the answer depends on: the messages, compact JSON (the same through any router
+    that keeps them, whatever else it adds to or reorders in the body)."""
+    return json.dumps(doc["messages"], separators=(",", ":")).encode()
+
+
 def answer(body: bytes, chunks: int, per_chunk: int) -> tuple[list[bytes], bytes]:
-    """The SSE events of a streamed answer to ``body`` and the non-streamed JSON."""
+    """The SSE events of a streamed answer to messages ``body`` (:func:`answer_key`) and the
+    non-streamed JSON."""
     seed = zlib.crc32(body)
     pieces = [" ".join(WORDS[(seed + i * per_chunk + j) % len(WORDS)] for j in range(per_chunk))
               for i in range(chunks)]
@@ -115,6 +127,7 @@ class _Engine(asyncio.Protocol):
     per_chunk = 3
     running = 0
     cache: KVCache | None = None
+    tok = None  # renders chats for /v1/chat/completions/render
 
     def connection_made(self, transport) -> None:
         self.t = transport
@@ -146,11 +159,13 @@ class _Engine(asyncio.Protocol):
         if method == b"GET" and url in (b"/health", b"/v1/models"):
             return self._plain(200, b'{"object":"list","data":[{"id":"m","object":"model"}]}',
                                b"application/json")
+        if method == b"POST" and url == b"/v1/chat/completions/render":
+            return self._render(body)
         if method == b"POST" and url == b"/v1/chat/completions":
             doc = json.loads(body)
             if _Engine.cache is not None:
                 _Engine.cache.admit(body)
-            events, whole = answer(body, self.chunks, self.per_chunk)
+            events, whole = answer(answer_key(doc), self.chunks, self.per_chunk)
             if not doc.get("stream"):
                 return self._plain(200, whole, b"application/json")
             if not (doc.get("stream_options") or {}).get("include_usage"):
@@ -167,6 +182,26 @@ class _Engine(asyncio.Protocol):
             return
         self._plain(404, b'{"error":"not found"}', b"application/json")
 
+    def _render(self, body: bytes) -> None:
+        """vLLM 0.32's answer to a render: the request as its engine would be handed it."""
+        import msgspec
+
+        from kvevents.text.chat import ChatMessage
+
+        if _Engine.tok is None:
+            return self._plain(404, b'{"error":"no tokenizer: render is off"}', b"application/json")
+        try:
+            doc = msgspec.json.decode(body)
+            ids = _Engine.tok.chat_ids(msgspec.convert(doc["messages"], list[ChatMessage])).tolist()
+        except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError):
+            return self._plain(400, b'{"error":"messages: expected a list of chat messages"}',
+                               b"application/json")
+        out = {"request_id": f"chatcmpl-{zlib.crc32(body):08x}", "token_ids": ids, "features": None,
+               "sampling_params": {"max_tokens": doc.get("max_tokens"), "temperature": 1.0, "n": 1},
+               "model": doc.get("model", "m"), "stream": False, "cache_salt": None, "priority": 0,
+               "kv_transfer_params": None}
+        self._plain(200, msgspec.json.encode(out), b"application/json")
+
     def _paced(self, events: list[bytes], i: int, step: float) -> None:
         if self.t.is_closing():
             _Engine.running -= 1
@@ -180,7 +215,7 @@ class _Engine(asyncio.Protocol):
         asyncio.get_running_loop().call_later(step, self._paced, events, i + 1, step)
 
     def _plain(self, status: int, body: bytes, kind: bytes) -> None:
-        reason = b"OK" if status == 200 else b"Not Found"
+        reason = {200: b"OK", 400: b"Bad Request"}.get(status, b"Not Found")
         self.t.write(b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
                      % (status, reason, kind, len(body), body))
 
@@ -193,10 +228,12 @@ def run_engine(args: argparse.Namespace) -> None:
     _Engine.chunks, _Engine.per_chunk = args.chunks, args.tokens_per_chunk
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{args.zmq_port}",
                                             replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}"))
-    if args.tokenizer:
+    if args.tokenizer or args.render_tokenizer:
         from kvevents.text import TextTokenizer
 
-        _Engine.cache = KVCache(pub, TextTokenizer("m", args.tokenizer), args.capacity)
+        _Engine.tok = TextTokenizer("m", args.tokenizer or args.render_tokenizer)
+    if args.tokenizer:
+        _Engine.cache = KVCache(pub, _Engine.tok, args.capacity)
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(_Engine, "127.0.0.1", args.port,
@@ -258,7 +295,7 @@ def run_load(args: argparse.Namespace) -> None:
         _, client = await loop.create_connection(_Client, host, port)
         for i in range(k, args.requests, args.concurrency):
             body = bodies[i % len(bodies)]
-            events, whole = answer(body, args.chunks, args.tokens_per_chunk)
+            events, whole = answer(answer_key(json.loads(body)), args.chunks, args.tokens_per_chunk)
             t0 = time.perf_counter()
             status, got = await client.request(chat_request(host, port, body))
             lat.append(time.perf_counter() - t0)
@@ -284,6 +321,8 @@ def main() -> None:
     e.add_argument("--zmq-port", type=int, required=True)
     e.add_argument("--replay-port", type=int, required=True)
     e.add_argument("--tokenizer", default=None, help="tokenizer directory: publish KV events")
+    e.add_argument("--render-tokenizer", default=None,
+                   help="tokenizer directory: answer /v1/chat/completions/render (publish nothing)")
     e.add_argument("--capacity", type=int, default=4096, help="blocks the engine keeps")
     for p in (e, load := sub.add_parser("load")):
         p.add_argument("--chunks", type=int, default=64)
