@@ -58,6 +58,9 @@ _GATEWAY_PARTIAL_LABELS = {
     "kvevents_gateway_inflight_requests": {"engine"},
     "kvevents_gateway_retries_total": set(),
     "kvevents_gateway_untokenized_total": set(),
+    # Closed by the server's limits (reason="header_timeout", ...): before any routing,
+    # so neither an engine's nor a model's.
+    "kvevents_gateway_connections_closed_total": set(),
 }
 
 
