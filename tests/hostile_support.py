@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -14,9 +15,11 @@ import tempfile
 import time
 
 import httpx
+import pytest
 
 from hostile_engine import EngineThread
 from support import free_port
+from text_tokenizer import build_bytelevel, require_transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,3 +136,19 @@ def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+# Fixtures of the hostile tests (imported by name into each test module).
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> pathlib.Path:
+    """A small byte-level tokenizer made locally, for ``kvevents serve --tokenizer``."""
+    require_transformers()
+    return build_bytelevel(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture
+def fleet():
+    """Two fake engines (:mod:`hostile_engine`), closed after the test."""
+    es = engines(2)
+    yield es
+    es.close()

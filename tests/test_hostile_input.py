@@ -14,7 +14,6 @@ process in front of fake engines (:mod:`hostile_engine`), a fresh one per test.
 from __future__ import annotations
 
 import json
-import pathlib
 import socket
 import threading
 import time
@@ -22,21 +21,8 @@ import time
 import httpx
 import pytest
 
-from hostile_support import GatewayProcess, chat_body, connect, engines, raw_request, reset, wait_for
-from text_tokenizer import build_bytelevel, require_transformers
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> pathlib.Path:
-    require_transformers()
-    return build_bytelevel(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture
-def fleet():
-    es = engines(2)
-    yield es
-    es.close()
+from hostile_support import fleet, tokenizer  # noqa: F401 (fixtures)
+from hostile_support import GatewayProcess, chat_body, connect, raw_request, reset, wait_for
 
 
 def _response(s: socket.socket, timeout: float = 5.0) -> tuple[int, dict, bytes]:

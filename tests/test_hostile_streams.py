@@ -14,28 +14,14 @@ they are streaming now. Each test starts its own gateway (a fresh process per at
 from __future__ import annotations
 
 import asyncio
-import pathlib
 import socket
 import threading
 import time
 
 import pytest
 
-from hostile_support import GatewayProcess, chat_body, connect, engines, raw_request, reset, wait_for
-from text_tokenizer import build_bytelevel, require_transformers
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> pathlib.Path:
-    require_transformers()
-    return build_bytelevel(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture
-def fleet():
-    es = engines(2)
-    yield es
-    es.close()
+from hostile_support import fleet, tokenizer  # noqa: F401 (fixtures)
+from hostile_support import GatewayProcess, chat_body, connect, raw_request, reset, wait_for
 
 
 def _read_until(s: socket.socket, marker: bytes, timeout: float = 10.0) -> bytes:

@@ -144,10 +144,11 @@ class PromptTokens:
         tok = self.tokenizers.get(req.model)
         if tok is not None:
             try:
+                # array('q'): the index and numpy read it as it is (no int object per token).
                 if req.kind == COMPLETIONS:
-                    return await _off_loop_if_long(len(req.body), tok.encode_prompt, req.prompt)
+                    return await _off_loop_if_long(len(req.body), tok.prompt_ids, req.prompt)
                 messages = msgspec.convert(req.messages, list[ChatMessage])
-                return await _off_loop_if_long(len(req.body), tok.encode_chat, messages)
+                return await _off_loop_if_long(len(req.body), tok.chat_ids, messages)
             except (msgspec.ValidationError, ChatTemplateError) as exc:
                 log.debug("local tokenization of a %s request failed (%s); asking the engine",
                           req.kind, exc)

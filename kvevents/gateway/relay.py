@@ -57,7 +57,7 @@ USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
 
 #: The ASGI scope extension under which the server's protocol offers the connection:
 #: weak references to ``(protocol, cycle)``, uvicorn's ``HttpToolsProtocol`` and the
-#: request's ``RequestResponseCycle`` (see :func:`_direct_out`).
+#: request's ``RequestResponseCycle`` (see :func:`_direct_protocol`).
 DIRECT = "kvevents.direct"
 
 __all__ = ["DIRECT", "Relay", "USAGE_TAIL"]
@@ -104,9 +104,9 @@ class Relay(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            out = _direct_out(scope)
-            if out is not None:
-                tail = await self._direct(*out)
+            protocol = _direct_protocol(scope)
+            if protocol is not None:
+                tail = await self._direct(protocol)
             else:
                 tail = await self._through(send, gone)
             if up.error is not None and not gone.done():
@@ -146,7 +146,7 @@ class Relay(Response):
             pass  # the engine broke off, or the client left: the caller tells which
         return tail
 
-    async def _direct(self, protocol, cycle) -> bytes:
+    async def _direct(self, protocol) -> bytes:
         """The body written to the client's socket as the engine's connection reads it
         (see the module docstring); its last bytes, once the answer ended."""
         up = self.upstream
@@ -181,10 +181,10 @@ class Relay(Response):
         return b"".join(kept)
 
 
-def _direct_out(scope: Scope) -> tuple | None:
-    """The connection and request cycle the server offers for writing this response's
-    body straight to the socket, if it offers one and frames the response as chunked
-    (what ``_direct`` writes); else None (the body goes through ``send``)."""
+def _direct_protocol(scope: Scope):
+    """The connection the server offers for writing this response's body straight to the
+    socket, if it offers one, its request cycle is this one and it frames the response as
+    chunked (what ``_direct`` writes); else None (the body goes through ``send``)."""
     got = scope.get("extensions", {}).get(DIRECT)
     if got is None:
         return None
@@ -194,7 +194,7 @@ def _direct_out(scope: Scope) -> tuple | None:
     if (getattr(cycle, "response_started", False) and getattr(cycle, "chunked_encoding", None) is True
             and not cycle.response_complete and not cycle.disconnected
             and getattr(protocol, "cycle", None) is cycle and hasattr(protocol, "on_writable")):
-        return protocol, cycle
+        return protocol
     return None
 
 
