@@ -192,3 +192,12 @@ ERRORS = {
     413: {"model": ErrorResponse, "description": "Body or prompt too large"},
     422: {"model": ErrorResponse, "description": "Invalid field (named in `field`)"},
 }
+
+#: The errors of the endpoints that tokenize prompt text: also a 400 for text longer
+#: than ``max_prompt_chars``, refused before it is tokenized.
+PROMPT_ERRORS = {
+    **ERRORS,
+    400: {"model": ErrorResponse, "description": "Prompt text or messages longer than "
+                                                 "max_prompt_chars characters (`field`: prompt "
+                                                 "or messages), refused before tokenizing"},
+}

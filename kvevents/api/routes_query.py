@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from kvevents.api.body import LookupBody, body_doc, decode_lookup
 from kvevents.api.errors import ApiError
-from kvevents.api.models import ERRORS, BlockResponse, LookupResponse, PrefixesResponse
+from kvevents.api.models import (ERRORS, PROMPT_ERRORS, BlockResponse, LookupResponse,
+                                  PrefixesResponse)
 from kvevents.api.routes_engines import get_aggregator
 from kvevents.index import LookupResult
 from kvevents.routing.offloop import lookup as lookup_off_loop
@@ -49,7 +50,7 @@ def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = froze
 # paying a thread-pool hop per request; a wait for the index lock goes to a thread.
 # No ``Depends``: resolving dependencies was a third of the event loop's time per
 # lookup; the body is documented by ``openapi_extra`` and decoded by msgspec.
-@router.post("/lookup", response_model=LookupResponse, responses=ERRORS,
+@router.post("/lookup", response_model=LookupResponse, responses=PROMPT_ERRORS,
              openapi_extra=body_doc(LookupBody),
              summary="Per engine, how many leading prompt tokens are cached, per tier and in total")
 async def lookup(request: Request) -> Response:
@@ -57,6 +58,7 @@ async def lookup(request: Request) -> Response:
     agg: Aggregator = request.app.state.aggregator
     token_ids = await prompt_token_ids(
         request.app.state.tokenizers, agg.settings.max_prompt_tokens,
+        max_chars=agg.settings.max_prompt_chars,
         model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages)
     result = await lookup_off_loop(agg, token_ids, body.model, body.lora_name, "lookup")
     return json_response(lookup_payload(result, agg.unroutable_engines()))

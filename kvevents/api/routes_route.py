@@ -8,7 +8,7 @@ import dataclasses
 from fastapi import APIRouter, Request, Response
 
 from kvevents.api.body import RouteBody, body_doc, decode_route
-from kvevents.api.models import ERRORS, RouteResponse
+from kvevents.api.models import PROMPT_ERRORS, RouteResponse
 from kvevents.api.routes_query import json_response
 from kvevents.routing import EngineLoad, Router
 from kvevents.routing.offloop import prompt_token_ids
@@ -23,7 +23,7 @@ def requested_candidates(body: RouteBody) -> list[tuple[str, EngineLoad]] | None
              else EngineLoad()) for c in body.candidates]
 
 
-@router.post("/route", response_model=RouteResponse, responses=ERRORS,
+@router.post("/route", response_model=RouteResponse, responses=PROMPT_ERRORS,
              openapi_extra=body_doc(RouteBody),
              summary="Choose the engine for a prompt: longest cached prefix per tier vs load")
 async def route(request: Request) -> Response:
@@ -32,6 +32,7 @@ async def route(request: Request) -> Response:
     routing: Router = request.app.state.routing
     token_ids = await prompt_token_ids(
         request.app.state.tokenizers, routing.aggregator.settings.max_prompt_tokens,
+        max_chars=routing.aggregator.settings.max_prompt_chars,
         model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages)
     decision = await routing.decide(token_ids, body.model, body.lora_name,
                                     requested_candidates(body))

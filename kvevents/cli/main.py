@@ -124,8 +124,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=None, dest="max_inflight",
                    help="proxied requests in flight before 503 (default: {default})")
     p.add_argument("--max-prompt-chars", type=int, default=None, metavar="CHARS",
-                   help="longest prompt text the gateway tokenizes; longer: 400 before "
-                        "tokenizing (default: {default})")
+                   help="longest prompt text or chat messages (characters) tokenized by the "
+                        "gateway, /v1/lookup and /v1/route; longer: 400 before tokenizing "
+                        "(default: {default})")
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="HTTP connections open at once; past it the one waiting longest for "
                         "its request head is closed (default: {default})")

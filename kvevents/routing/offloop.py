@@ -27,6 +27,7 @@ from kvevents.index import IndexBusy, LookupResult
 from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
 from kvevents.text.chat import ChatMessage
+from kvevents.text.limits import check_chars
 from kvevents.text.prompt import check_length, chosen_input, text_encoder
 
 # Longest the event loop waits for the index lock before handing the wait to a thread.
@@ -53,16 +54,21 @@ async def lookup(agg: Aggregator, token_ids, model: str | None, lora_name: str |
     return result
 
 
-async def prompt_token_ids(tokenizers: TokenizerRegistry, limit: int, *, model: str | None,
-                           token_ids: Sequence[int] | None = None, prompt: str | None = None,
+async def prompt_token_ids(tokenizers: TokenizerRegistry, limit: int, *, max_chars: int,
+                           model: str | None, token_ids: Sequence[int] | None = None,
+                           prompt: str | None = None,
                            messages: Sequence[ChatMessage] | None = None) -> Sequence[int]:
     """The request's prompt as token ids (at most ``limit``); text is tokenized on the
-    thread pool. Raises :class:`~kvevents.text.prompt.InputError`."""
+    thread pool, once it is known to have at most ``max_chars`` characters
+    (``max_prompt_chars``: a longer one is a 400 before any tokenizer memory is spent).
+    Raises :class:`~kvevents.text.prompt.InputError`."""
     field = chosen_input(token_ids, prompt, messages)
     if field == "token_ids":
         ids = token_ids
     else:
-        encode = text_encoder(tokenizers, model, field, prompt if field == "prompt" else messages)
+        text = prompt if field == "prompt" else messages
+        check_chars(text, max_chars, field)
+        encode = text_encoder(tokenizers, model, field, text)  # type: ignore[arg-type]
         ids = await run_in_threadpool(encode)
     check_length(ids, limit, field)  # type: ignore[arg-type]
     return ids  # type: ignore[return-value]

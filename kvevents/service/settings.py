@@ -223,8 +223,9 @@ class AggregatorSettings(BaseSettings):
     # tokenizer's memory is spent), HTTP connections open at once (past it the one waiting
     # longest for its request head is closed), and how long a request's head may take
     # and its body may go without a byte.
-    max_prompt_chars: int = Field(4_000_000, ge=1, description="gateway: longest prompt text, in "
-                                  "characters, it tokenizes (longer: 400 before tokenizing)")
+    max_prompt_chars: int = Field(4_000_000, ge=1, description="longest prompt text or chat "
+                                  "messages, in characters, tokenized (gateway, /v1/lookup, "
+                                  "/v1/route; longer: 400 before tokenizing)")
     max_connections: int = Field(4096, ge=1, description="HTTP connections open at once; past "
                                  "it the one waiting longest for its request head is closed "
                                  "(none waiting: the new one gets 503)")
