@@ -13,8 +13,9 @@ Pages:
 * ``reference/settings.md``: every field of ``AggregatorSettings`` (config key, variable,
   flag, default, bounds), and the keys of an engine (``EngineSpec``);
 * ``reference/http.md``: every path of the app's own OpenAPI document (``create_app().openapi()``);
-* ``reference/metrics.md``: every metric family in the registry an ``Aggregator`` and its
-  gateway build, and the Grafana dashboard's rows and panels;
+* ``reference/metrics.md``: every metric family in the registries ``kvevents serve``
+  builds (an aggregator's, with its gateway and a discovery source; the ``--workers``
+  supervisor's), and the Grafana dashboard's rows and panels;
 * ``reference/python.md``: the documented Python API, from the docstrings (mkdocstrings);
 * ``changelog.md``: CHANGELOG.md;
 * ``assets/live-page.png``: the live page's screenshot from dashboard/.

@@ -1,5 +1,7 @@
-"""The HTTP and metrics references: the app's OpenAPI document, and the registry an
-aggregator and its gateway build (plus the Grafana dashboard's rows and panels).
+"""The HTTP and metrics references: the app's OpenAPI document, and the registries
+``kvevents serve`` builds: an aggregator's with its gateway's and its discovery's
+families, and the ``--workers`` supervisor's (plus the Grafana dashboard's rows and
+panels).
 """
 
 from __future__ import annotations
@@ -125,40 +127,74 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def metric_families() -> list[dict[str, Any]]:
-    """Every family the aggregator's registry exposes, plus its gateway's, as a running
-    aggregator scrapes them: one engine followed (on 127.0.0.1, the aggregator binding),
-    whose real publisher has sent a stored and a removed block, so every per-engine
-    family carries its labels. Name as scraped (counters with ``_total``), type, help,
-    label names.
+#: Where a family comes from, in the order of the page's sections.
+AGGREGATOR, DISCOVERY, SUPERVISOR = "aggregator", "discovery", "supervisor"
+
+
+def _family_rows(registry, families: list) -> list[dict[str, Any]]:
+    """Name as scraped (counters with ``_total``), type, help and label names of
+    ``families`` (collected from ``registry``): the labels each declares, and any its
+    samples carry."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    declared = {c._name: tuple(c._labelnames) for c in list(registry._collector_to_names)
+                if isinstance(c, MetricWrapperBase)}
+    out = []
+    for fam in families:
+        # A collector's own family (CounterMetricFamily...) keeps the labels it was made
+        # with, even before its first sample.
+        labels = set(declared.get(fam.name, ())) | set(getattr(fam, "_labelnames", ()))
+        labels |= {k for s in fam.samples for k in s.labels if k not in ("le", "quantile")}
+        name = fam.name + ("_total" if fam.type == "counter" else "")
+        out.append({"name": name, "type": fam.type, "help": fam.documentation,
+                    "labels": sorted(labels)})
+    return out
+
+
+def _served(app, during) -> Any:
+    """Run ``app``'s lifespan (what ``kvevents serve`` starts: the aggregator's gateway,
+    discovery), call ``during()`` on a thread inside it, and return its result."""
+    import asyncio
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            return await asyncio.to_thread(during)
+    return asyncio.run(main())
+
+
+def _aggregator_families() -> tuple[list[dict[str, Any]], set[str]]:
+    """The families of an aggregator's registry as ``kvevents serve`` builds it, scraped
+    while one engine is followed (on 127.0.0.1, the aggregator binding) whose real
+    publisher has sent a stored and a removed block, so every per-engine family carries
+    its labels, and a DNS discovery source is configured (asking a closed port on
+    127.0.0.1); and the names the same app has without discovery.
 
     Failure: the engine's batch not applied within 20 s raises (the build fails rather
     than publish a reference with missing labels)."""
+    import logging
     import time
 
     from prometheus_client import CollectorRegistry
-    from prometheus_client.metrics import MetricWrapperBase
 
+    from kvevents.api import create_app
     from kvevents.engines import EngineSpec
-    from kvevents.gateway import GatewayMetrics
     from kvevents.service.aggregator import Aggregator
     from kvevents.service.settings import AggregatorSettings
     from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
     from kvevents.wire.schema import BlockRemoved, BlockStored, KVEventBatch
 
-    import logging
-
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     quiet = logging.getLogger("kvevents")
     level = quiet.level
-    quiet.setLevel(logging.ERROR)  # the refused event's warning is expected here
+    quiet.setLevel(logging.CRITICAL)  # the refused event's and the failed round's warnings are expected
     registry = CollectorRegistry()
-    agg = Aggregator(AggregatorSettings(engines=(
-        EngineSpec("engine-0", endpoint, model="model", bind=True),)), registry)
+    agg = Aggregator(AggregatorSettings(
+        engines=(EngineSpec("engine-0", endpoint, model="model", bind=True),),
+        discover_dns=("engines.invalid",), dns_server=f"127.0.0.1:{_free_port()}"), registry)
     pub = None
-    try:
-        GatewayMetrics(agg.registry)
-        agg.start()
+
+    def scrape() -> list:
+        nonlocal pub
         pub = ZmqEventPublisher(PublisherConfig(endpoint=endpoint))
         tokens = list(range(1, 33))
         deadline = time.monotonic() + 20
@@ -175,22 +211,66 @@ def metric_families() -> list[dict[str, Any]]:
                 BlockStored([4], None, [2**63] * 16, 16, None, "GPU", None)]))
             time.sleep(0.05)
         time.sleep(0.2)  # the lane's applied batches reach the lag histogram within 0.1 s
-        declared = {c._name: tuple(c._labelnames) for c in list(registry._collector_to_names)
-                    if isinstance(c, MetricWrapperBase)}
-        families = list(registry.collect())
+        return list(registry.collect())
+
+    try:
+        agg.start()
+        families = _served(create_app(aggregator=agg), scrape)
+        plain_registry = CollectorRegistry()
+        plain = _served(create_app(AggregatorSettings(), registry=plain_registry),
+                        lambda: [f.name for f in plain_registry.collect()])
     finally:
         if pub is not None:
             pub.shutdown(0.5)
         agg.stop()  # releases its sockets and ZeroMQ context
         quiet.setLevel(level)
-    out = []
-    for fam in families:
-        labels = set(declared.get(fam.name, ()))
-        labels |= {k for s in fam.samples for k in s.labels if k not in ("le", "quantile")}
-        name = fam.name + ("_total" if fam.type == "counter" else "")
-        out.append({"name": name, "type": fam.type, "help": fam.documentation,
-                    "labels": sorted(labels)})
-    return sorted(out, key=lambda m: m["name"])
+    return _family_rows(registry, families), set(plain)
+
+
+def _supervisor_families() -> list[dict[str, Any]]:
+    """The families the ``--workers`` supervisor adds to the workers' merged series,
+    from its own collector over a board of two workers."""
+    from prometheus_client import CollectorRegistry
+
+    from kvevents.cli.worker_app import WorkerSeries
+    from kvevents.cli.worker_board import WorkerBoard
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerSeries(WorkerBoard(2, "docs")))
+    return _family_rows(registry, list(registry.collect()))
+
+
+def metric_families() -> list[dict[str, Any]]:
+    """Every family ``kvevents serve`` exports, gathered from the registries it builds
+    (:func:`_aggregator_families`, :func:`_supervisor_families`): name, type, help,
+    label names, and ``source``: :data:`AGGREGATOR` (every aggregator and worker),
+    :data:`DISCOVERY` (only with discovery sources) or :data:`SUPERVISOR`
+    (``--workers``). Sorted by source, then name."""
+    rows, plain = _aggregator_families()
+    for row in rows:
+        base = row["name"].removesuffix("_total") if row["type"] == "counter" else row["name"]
+        row["source"] = AGGREGATOR if base in plain else DISCOVERY
+    for row in _supervisor_families():
+        rows.append({**row, "source": SUPERVISOR})
+    order = (AGGREGATOR, DISCOVERY, SUPERVISOR)
+    return sorted(rows, key=lambda m: (order.index(m["source"]), m["name"]))
+
+
+_SECTIONS = {
+    AGGREGATOR: ("Every aggregator",
+                 "The families of an aggregator and its gateway, as scraped from one following",
+                 "an engine that has published. Labels: `engine` is the followed engine's name,",
+                 "`model_name` its model; a family that counts failures shows a sample once",
+                 "something has failed."),
+    DISCOVERY: ("With discovery sources",
+                "Registered when `--discover-dns`, `--discover-dns-srv` or",
+                "`--discover-k8s-selector` configures a source; `origin` names the source",
+                "(`dns:NAME`, ...)."),
+    SUPERVISOR: ("With `--workers N`",
+                 "One `GET /metrics` of a `kvevents serve --workers N` returns every worker's",
+                 "families above, each sample labelled `worker=\"i\"`, and these, the",
+                 "supervisor's own."),
+}
 
 
 def metrics_page() -> str:
@@ -198,19 +278,18 @@ def metrics_page() -> str:
     lines = [
         "# Metrics reference",
         "",
-        "Generated at every build of this site from the Prometheus registry that an",
-        "aggregator and its gateway build (`kvevents serve`'s `/metrics`): every family,",
-        "as scraped from an aggregator following one engine that has published. Labels:",
-        "`engine` is the followed engine's name, `model_name` its model; a family shown",
-        "without labels that counts failures (`kvevents_apply_errors_total`) gets them with",
-        "its first count (`engine`, `model_name`, `kind`).",
+        "Generated at every build of this site from the Prometheus registries that",
+        "`kvevents serve` builds (its `/metrics`): every family, with its type, labels and help.",
         "What the families mean together is on [Metrics and Grafana](../metrics.md).",
-        "",
-        "| metric | type | labels | |",
-        "|---|---|---|---|",
     ]
-    for m in fams:
-        lines.append(f"| {code(m['name'])} | {m['type']} | {cell(', '.join(m['labels']))} | {cell(m['help'])} |")
+    for source, (title, *intro) in _SECTIONS.items():
+        rows = [m for m in fams if m["source"] == source]
+        if not rows:
+            continue
+        lines += ["", f"## {title}", "", *intro, "", "| metric | type | labels | |", "|---|---|---|---|"]
+        for m in rows:
+            lines.append(f"| {code(m['name'])} | {m['type']} | {cell(', '.join(m['labels']))} | "
+                         f"{cell(m['help'])} |")
     lines += ["", "## The Grafana dashboard", "",
               "Rows and panels of `dashboard/grafana/dashboards/kvevents.json`, read from the file:", ""]
     dash = json.loads((ROOT / "dashboard/grafana/dashboards/kvevents.json").read_text())

@@ -17,6 +17,8 @@ they mention exists; a benchmark command's flags exist in its script.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import html as htmllib
 import re
 import tomllib
@@ -127,22 +129,62 @@ def app_paths() -> set[str]:
         {p for _, p in openapi_operations()}
 
 
+@functools.cache
 def registry_metrics() -> set[str]:
-    """Families as scraped (counters with _total) from the aggregator's registry, with
-    one engine configured (built, not started) and its gateway's metrics."""
+    """Families as scraped (counters with _total) from the registries ``kvevents serve``
+    builds: an app's, its lifespan run (the aggregator with one engine configured, its
+    gateway, and a DNS discovery source asking a closed port on 127.0.0.1), and the
+    ``--workers`` supervisor's collector over a board of two workers."""
+    import asyncio
+
     from prometheus_client import CollectorRegistry
 
-    from kvevents.gateway import GatewayMetrics
-    from kvevents.service.aggregator import Aggregator
+    from kvevents.api import create_app
+    from kvevents.cli.worker_app import WorkerSeries
+    from kvevents.cli.worker_board import WorkerBoard
+    from kvevents.demo.fleet import free_port
     from kvevents.service.settings import AggregatorSettings
 
     registry = CollectorRegistry()
-    agg = Aggregator(AggregatorSettings(engines=("e0=tcp://127.0.0.1:9",)), registry)
-    try:
-        GatewayMetrics(agg.registry)
-        return {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
-    finally:
-        agg.stop()
+    app = create_app(AggregatorSettings(engines=("e0=tcp://127.0.0.1:9",), discover_dns=("engines.invalid",),
+                                        dns_server=f"127.0.0.1:{free_port()}"), registry=registry)
+
+    async def served() -> list:
+        async with app.router.lifespan_context(app):
+            return list(registry.collect())
+    families = asyncio.run(served())
+    supervisor = CollectorRegistry(auto_describe=False)
+    supervisor.register(WorkerSeries(WorkerBoard(2, "test")))
+    families += supervisor.collect()
+    return {f.name + ("_total" if f.type == "counter" else "") for f in families}
+
+
+#: prometheus_client's metric classes and collector families, by the name code calls.
+METRIC_CONSTRUCTORS = {"Counter", "Gauge", "Histogram", "Summary", "CounterMetricFamily",
+                       "GaugeMetricFamily", "HistogramMetricFamily", "SummaryMetricFamily",
+                       "GaugeHistogramMetricFamily", "UnknownMetricFamily"}
+
+
+def source_metrics() -> dict[str, str]:
+    """Every ``kvevents_*`` family the product's source defines (a metric class or a
+    collector family made with a literal name), as scraped, with the file defining it;
+    the simulated engine's (``kvevents/sim/``, vLLM's stand-in) are not the product's."""
+    out = {}
+    for path in sorted((ROOT / "kvevents").rglob("*.py")):
+        if "sim" in path.relative_to(ROOT / "kvevents").parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            first = node.args[0]
+            if func in METRIC_CONSTRUCTORS and isinstance(first, ast.Constant) \
+                    and isinstance(first.value, str) and first.value.startswith("kvevents_"):
+                name = first.value
+                if func.startswith("Counter"):
+                    name = name.removesuffix("_total") + "_total"
+                out[name] = str(path.relative_to(ROOT))
+    return out
 
 
 # ---------------------------------------------------------------- code -> reference
@@ -227,11 +269,38 @@ def test_metrics_reference_matches_the_registry(site):
     metrics = registry_metrics()
     assert metrics <= documented, f"missing from the metrics reference: {sorted(metrics - documented)}"
     assert documented <= metrics, f"the metrics reference names {sorted(documented - metrics)}"
-    # Labels as scraped from an aggregator that applied a real publisher's batch.
+    # Labels as scraped from an aggregator that applied a real publisher's batch, and as
+    # the discovery and supervisor collectors declare them.
     for name, labels in (("kvevents_events_applied_total", "engine, model_name, tier, type"),
                          ("kvevents_event_lag_seconds", "engine, model_name"),
-                         ("kvevents_refused_events_total", "engine, model_name, reason")):
+                         ("kvevents_refused_events_total", "engine, model_name, reason"),
+                         ("kvevents_discovery_query_failures_total", "origin, query, reason"),
+                         ("kvevents_worker_restarts_total", "worker")):
         assert re.search(rf"{name}\s+\w+\s+{re.escape(labels)}\s", text), f"{name}: labels {labels} missing"
+    # Each family in the section of what exports it.
+    heads = ["Every aggregator", "With discovery sources", "With --workers N", "The Grafana dashboard"]
+    flat = " ".join(text.split())  # the page's tags became spaces
+    at = [flat.index(h) for h in heads]
+    assert at == sorted(at), at
+    named = [set(re.findall(r"\bkvevents_[a-z0-9_]+\b", flat[a:b])) for a, b in zip(at, at[1:])]
+    assert named[1] == {"kvevents_discovery_errors_total", "kvevents_discovery_query_failures_total"}
+    assert named[2] == {"kvevents_workers", "kvevents_worker_ready", "kvevents_worker_restarts_total",
+                        "kvevents_worker_scraped"}
+    assert "kvevents_lookups_total" in named[0] and not named[0] & (named[1] | named[2])
+
+
+def test_every_metric_the_source_defines_is_exported_and_in_the_reference(site):
+    """A family defined anywhere in the product (a new collector, a new module) that
+    neither reaches the registries ``kvevents serve`` builds nor the reference fails
+    here, whoever forgot to wire or document it."""
+    defined = source_metrics()
+    assert len(defined) > 50 and {"kvevents_discovery_errors_total", "kvevents_workers",
+                                  "kvevents_gateway_requests_total"} <= set(defined)
+    unexported = {n: f for n, f in defined.items() if n not in registry_metrics()}
+    assert not unexported, f"defined but in no registry kvevents serve builds: {unexported}"
+    documented = set(re.findall(r"\bkvevents_[a-z0-9_]+\b", page_text(site, "reference/metrics")))
+    missing = {n: f for n, f in defined.items() if n not in documented}
+    assert not missing, f"missing from the metrics reference: {missing}"
 
 
 def test_python_reference_renders_each_documented_name(site):
