@@ -86,6 +86,13 @@ def test_counting_is_per_string_over_dicts_lists_and_structs():
         decoded = msgspec.json.decode(json.dumps(body), type=LookupBody)
         assert text_chars(decoded.messages) == 2_001, what
     assert text_chars(None) == 0 and text_chars([1, 2.5, None, {"k": 3}]) == 0
+
+    class Text(str):
+        pass
+
+    class Items(list):
+        pass
+    assert text_chars((Text("abc"), Items([{"a": Text("de")}]), ("f",))) == 6  # subclasses too
     check_chars("x" * 10, 10, "prompt")  # at the limit: fine
     try:
         check_chars(["x" * 6, {"a": "y" * 5}], 10, "messages")
