@@ -227,7 +227,8 @@ def run_engine(args: argparse.Namespace) -> None:
 
     _Engine.chunks, _Engine.per_chunk = args.chunks, args.tokens_per_chunk
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{args.zmq_port}",
-                                            replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}"))
+                                            replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}",
+                                            bind=True))  # the gateway connects, as to vLLM's *:PORT
     if args.tokenizer or args.render_tokenizer:
         from kvevents.text import TextTokenizer
 

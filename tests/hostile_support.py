@@ -49,10 +49,11 @@ def reset(s: socket.socket) -> None:
 
 class GatewayProcess:
     """``kvevents serve`` following ``engines`` (their OpenAI URLs; no event streams),
-    with ``args`` added, run from the checkout at ``root``. Use as a context manager."""
+    with ``args`` added (and ``env`` in its environment), run from the checkout at
+    ``root``. Use as a context manager."""
 
     def __init__(self, engines: list[str], *args: str, log_level: str = "info",
-                 root: str = ROOT) -> None:
+                 root: str = ROOT, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kvevents-hostile-", suffix=".log", delete=False)
@@ -62,7 +63,7 @@ class GatewayProcess:
             cmd += ["--endpoint", f"e{i}=tcp://127.0.0.1:{free_port()},model=fake,http={url}"]
         cmd += list(args)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=root,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **(env or {})})
         self.n_engines = len(engines)
 
     def __enter__(self) -> "GatewayProcess":

@@ -146,9 +146,15 @@ def test_slow_readers_cost_memory_only_while_they_stream(fleet, tokenizer):
             socks.append(s)
 
         def sip(s: socket.socket) -> None:
+            # A bounded recv: the socket is reset below only after this thread let go of
+            # it (a close while another thread is blocked in recv on the same socket is
+            # deferred by the kernel until that recv returns, and the client never leaves).
+            s.settimeout(0.3)
             while not stop.wait(0.2):
                 try:
                     s.recv(1024)
+                except TimeoutError:
+                    continue
                 except OSError:
                     return
 
@@ -162,6 +168,8 @@ def test_slow_readers_cost_memory_only_while_they_stream(fleet, tokenizer):
             time.sleep(0.1)
         assert fleet.stats.open >= 20  # still streaming: paused, not finished
         stop.set()
+        for t in readers:
+            t.join(5)
         for s in socks:
             reset(s)
         assert wait_for(lambda: fleet.stats.open == 0, 2)

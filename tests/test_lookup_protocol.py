@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvevents.api import create_app
+from kvevents.api.lookup_protocol import LookupHttpProtocol
 from kvevents.service.settings import AggregatorSettings
 from kvevents.wire.schema import BlockStored, KVEventBatch
 
@@ -109,7 +110,8 @@ def routed(srv, body: bytes) -> bytes:
 
 
 def test_the_server_uses_the_protocol(server):
-    assert server.server.config.http_protocol_class.__name__ == "LookupHttpProtocol"
+    cls = server.server.config.http_protocol_class
+    assert issubclass(cls, LookupHttpProtocol) and cls.lookup_app is not None
 
 
 def test_common_lookups_are_answered_in_the_protocol_as_the_route_answers(server):
@@ -240,7 +242,10 @@ def test_the_setting_turns_it_off():
 
     app = create_app(AggregatorSettings(engines=()))
     on, off = uvicorn_config(app), uvicorn_config(app, lookup_in_protocol=False)
-    on.load()
-    off.load()
-    assert on.http_protocol_class.__name__ == "LookupHttpProtocol"
-    assert off.http_protocol_class.__name__ == "GuardedHttpProtocol"  # the limits, no lookups
+    neither = uvicorn_config(app, lookup_in_protocol=False, openai_in_protocol=False)
+    for config in (on, off, neither):
+        config.load()
+    assert on.http_protocol_class.lookup_app is app
+    assert off.http_protocol_class.lookup_app is None  # the OpenAI requests only
+    assert off.http_protocol_class.__name__ == "OpenAIHttpProtocol"
+    assert neither.http_protocol_class.__name__ == "GuardedHttpProtocol"  # the limits only

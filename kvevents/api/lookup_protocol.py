@@ -52,17 +52,25 @@ def protocol_class(app, limits: ConnLimits | None = None, *, lookup: bool = True
     settings, is read per request), with the connection limits ``limits``
     (:mod:`~kvevents.api.conn_guard`; default: its defaults); ``lookup`` False: the limits
     only, every lookup through the app. None when the installed uvicorn is not one this
-    was written against."""
+    was written against. (``kvevents serve`` takes its class from
+    :func:`kvevents.api.server_protocol.protocol_class`, which adds the OpenAI requests.)"""
     if not lookup:
         return guarded_class(app, limits or ConnLimits())
-    if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED):
-        log.warning("uvicorn's httptools protocol is not the expected one: lookups go "
-                    "through the ASGI app")
+    if not uvicorn_fits():
         return None
     cls = guarded_class(app, limits or ConnLimits(), LookupHttpProtocol)
     if cls is not None:
         cls.lookup_app = app
     return cls
+
+
+def uvicorn_fits() -> bool:
+    """Whether the installed uvicorn's protocol has what the protocols here rely on."""
+    if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED):
+        log.warning("uvicorn's httptools protocol is not the expected one: lookups and "
+                    "OpenAI requests go through the ASGI app")
+        return False
+    return True
 
 
 class LookupHttpProtocol(GuardedHttpProtocol):
@@ -81,7 +89,7 @@ class LookupHttpProtocol(GuardedHttpProtocol):
     _close_after = False
 
     def on_headers_complete(self) -> None:
-        if (self.url == _PATH and self.parser.get_method() == b"POST"
+        if (self.url == _PATH and self.lookup_app is not None and self.parser.get_method() == b"POST"
                 and not self.expect_100_continue and not self.parser.should_upgrade()
                 and (self.cycle is None or self.cycle.response_complete)):
             self._agg = getattr(self.lookup_app.state, "aggregator", None)

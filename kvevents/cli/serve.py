@@ -19,7 +19,7 @@ import uvicorn
 
 from kvevents.api import create_app
 from kvevents.api.conn_guard import ConnLimits
-from kvevents.api.lookup_protocol import protocol_class
+from kvevents.api.server_protocol import protocol_class
 from kvevents.discovery import DiscoveryConfigError
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerLoadError
@@ -79,17 +79,19 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def uvicorn_config(app, *, lookup_in_protocol: bool = True, limits: ConnLimits | None = None,
-                   **options) -> uvicorn.Config:
+def uvicorn_config(app, *, lookup_in_protocol: bool = True, openai_in_protocol: bool = True,
+                   limits: ConnLimits | None = None, **options) -> uvicorn.Config:
     """uvicorn's configuration for the aggregator's ``app``: common lookups answered in
     its HTTP protocol, before the ASGI cycle (:mod:`kvevents.api.lookup_protocol`),
-    unless ``lookup_in_protocol`` is false; connections under ``limits``
+    unless ``lookup_in_protocol`` is false; the gateway's OpenAI requests handed to it
+    from the protocol (:mod:`kvevents.api.openai_protocol`) unless
+    ``openai_in_protocol`` is false; connections under ``limits``
     (:mod:`kvevents.api.conn_guard`: head and body timeouts, a connection cap; default:
     those of the app's settings, else the defaults). ``options`` go to ``uvicorn.Config``."""
     if limits is None:
         settings = getattr(getattr(app, "state", None), "settings", None)
         limits = ConnLimits.from_settings(settings) if settings is not None else ConnLimits()
-    http = protocol_class(app, limits, lookup=lookup_in_protocol) or "auto"
+    http = protocol_class(app, limits, lookup=lookup_in_protocol, openai=openai_in_protocol) or "auto"
     return uvicorn.Config(app, http=http, **options)
 
 
@@ -141,6 +143,7 @@ def serve_app(settings: AggregatorSettings, *, reuse_port: bool = False,
         log.info("following %s at %s%s", engine.name, engine.endpoint,
                  f" (replay {engine.replay_endpoint})" if engine.replay_endpoint else "")
     config = uvicorn_config(wrap(app) if wrap else app, lookup_in_protocol=settings.lookup_in_protocol,
+                            openai_in_protocol=settings.openai_in_protocol,
                             limits=ConnLimits.from_settings(settings),
                             log_level=settings.log_level, access_log=False)
     try:

@@ -20,13 +20,17 @@ sent (its request task cancelled in between) is closed by its finaliser.
 The bytes, two ways:
 
 * **direct** (``kvevents serve``: its protocol puts the connection in the request's scope,
-  ``scope["extensions"][DIRECT]``): once the server has sent the head, each piece the
-  engine's connection reads is written to the client's socket from that read callback,
-  framed as an HTTP/1.1 chunk: no coroutine, task or ``send`` message per chunk. The
-  server's ``send`` still writes the head and the final chunk, so its view of the
-  response stays whole. Backpressure: when the client's socket is full (the server's
-  flow control says so after a write), reading from the engine pauses, and resumes when
-  the server's protocol says the socket drained;
+  ``scope["extensions"][DIRECT]``): once the server has sent the head, the engine's
+  chunked body is written to the client's socket as the engine's connection reads it,
+  by compiled code that is that connection's protocol meanwhile
+  (:meth:`~kvevents.gateway.upstream.UpstreamResponse.pump_to`): the engine's chunks go
+  out as it framed them, one ``write`` per read, with no Python call, coroutine, task
+  or ``send`` message per chunk. A body that is not chunked, or whose first read ended
+  inside a chunk, goes from the read callback through a Python sink, each piece framed
+  as a chunk. The server's ``send`` still writes the head and the final chunk, so its
+  view of the response stays whole. Backpressure: when the client's socket is full (the
+  server's flow control says so after a write), reading from the engine pauses, and
+  resumes when the server's protocol says the socket drained;
 * **through ``send``** (any other server, or a response the server does not frame as
   chunked): one chunk at a time; the server's ``send`` waits while the client's socket is
   full, and meanwhile the engine's stream buffers at most
@@ -77,6 +81,7 @@ class Relay(Response):
         self.engine = engine
         self._on_first = on_first
         self._on_end: Callable[[int, bytes], None] | None = on_end
+        self._cut = False  # the client got part of a chunk the engine never finished
 
     def _end(self, status: int, tail: bytes) -> None:
         end, self._on_end = self._on_end, None
@@ -109,6 +114,13 @@ class Relay(Response):
                 tail = await self._direct(protocol)
             else:
                 tail = await self._through(send, gone)
+            if up.error is not None and not gone.done() and self._cut:
+                # The engine broke off inside a chunk that was partly sent: nothing can
+                # follow it in the stream; the client sees its answer cut short.
+                status = 502
+                log.warning("engine %s broke off a streamed answer: %s", self.engine, up.error)
+                protocol.transport.close()
+                return
             if up.error is not None and not gone.done():
                 # The engine broke off: say so in the stream, in OpenAI's shape (the
                 # official client raises on it), instead of ending as if complete.
@@ -151,9 +163,23 @@ class Relay(Response):
         (see the module docstring); its last bytes, once the answer ended."""
         up = self.upstream
         transport, flow = protocol.transport, protocol.flow
+        ended = asyncio.get_running_loop().create_future()
+
+        def end() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        pump = up.pump_to(transport, flow, self._on_first, end, USAGE_TAIL)
+        if pump is not None:
+            protocol.on_writable = pump.resume
+            try:
+                await ended
+            finally:
+                protocol.on_writable = None
+            self._cut = pump.mid_chunk
+            return up.tail()
         kept: collections.deque[bytes] = collections.deque()
         size = 0
-        ended = asyncio.get_running_loop().create_future()
 
         def sink(data: bytes) -> None:
             nonlocal size
@@ -167,10 +193,6 @@ class Relay(Response):
             size += len(data)
             while size - len(kept[0]) >= USAGE_TAIL:
                 size -= len(kept.popleft())
-
-        def end() -> None:
-            if not ended.done():
-                ended.set_result(None)
 
         protocol.on_writable = up.resume_reading
         try:

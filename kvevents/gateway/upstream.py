@@ -13,7 +13,11 @@ one ``write``. ``httpx`` stays for the rest (``/metrics`` polls, ``/tokenize``,
 Lifecycle: :class:`UpstreamPool` lives as long as the gateway (:meth:`UpstreamPool.close`
 at its end). :meth:`UpstreamPool.send` returns an :class:`UpstreamResponse` once the
 answer's headers arrived; its body is read with :meth:`~UpstreamResponse.aiter_raw` or
-:meth:`~UpstreamResponse.aread`, and :meth:`~UpstreamResponse.aclose` must follow
+:meth:`~UpstreamResponse.aread`, handed to a callback (:meth:`~UpstreamResponse.relay_to`),
+or, chunked, written on to the client's socket in compiled code
+(:meth:`~UpstreamResponse.pump_to`: the engine's transport is then read by a
+:class:`~kvevents.gateway._pump.ChunkPump` until the answer's end), and
+:meth:`~UpstreamResponse.aclose` must follow
 (always: it returns a connection whose answer ended cleanly to the pool, and closes any
 other). The event loop's thread only.
 
@@ -43,6 +47,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvevents.gateway._pump import ChunkPump
+
 __all__ = ["UpstreamClosed", "UpstreamConnectError", "UpstreamError", "UpstreamPool",
            "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout"]
 
@@ -51,6 +57,7 @@ __all__ = ["UpstreamClosed", "UpstreamConnectError", "UpstreamError", "UpstreamP
 # this much, not 1 MiB (100 slow streams kept ~100 MB that the allocator did not give back).
 _HIGH_WATER = 1 << 16
 _LOW_WATER = 1 << 14
+_HEAD, _CHUNK, _CHUNK_DONE = 1, 2, 3  # the parser's last event (_Connection.at_boundary)
 
 
 class UpstreamError(Exception):
@@ -87,6 +94,7 @@ class UpstreamResponse:
         self._wakeup: asyncio.Future | None = None
         self._closed = False
         self._sink: Callable[[bytes], None] | None = None  # see relay_to
+        self._pump: ChunkPump | None = None  # see pump_to
         self._on_end: Callable[[], None] | None = None
 
     # -- fed by the connection -------------------------------------------------------------
@@ -105,7 +113,7 @@ class UpstreamResponse:
     def _finish(self, error: UpstreamError | None = None) -> None:
         if error is None:
             self._complete = True
-        elif not self._complete:
+        elif not self._complete and self._error is None:  # the first cause stands
             self._error = error
         self._wake()
 
@@ -154,6 +162,40 @@ class UpstreamResponse:
         self._on_end = on_end
         self._wake()  # already ended: on_end now
 
+    def pump_to(self, client: asyncio.Transport, flow, on_first: Callable[[], None],
+                on_end: Callable[[], None], tail_size: int) -> ChunkPump | None:
+        """Hand the body to a :class:`~kvevents.gateway._pump.ChunkPump`, which writes
+        the engine's chunks to ``client`` as they are read, in compiled code (what is
+        buffered already first, framed as the engine framed it), pausing the engine while
+        ``flow.write_paused``; ``on_first()`` at the first body byte, ``on_end()`` once
+        when the answer ends (see :attr:`error`); :meth:`tail` then holds its last
+        ``tail_size`` bytes. The pump's :meth:`~ChunkPump.resume` restarts the engine
+        when the client's socket drains. None (nothing changed: use :meth:`relay_to`)
+        unless the body is chunked, not over or read, and the connection's parser is at a
+        chunk boundary (the pump starts there)."""
+        conn = self._conn
+        if (self._sink is not None or self._pump is not None or self._closed or self._complete
+                or self._error is not None or not conn.at_boundary()
+                or self.headers.get("transfer-encoding", "").strip().lower() != "chunked"):
+            return None
+        pump = ChunkPump(client, flow, on_first, self._pumped, conn.connection_lost, tail_size)
+        self._pump = conn.pump = pump
+        self._on_end = on_end
+        chunks = list(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        conn.resume()
+        pump.attach(conn.transport)
+        pump.prime(chunks)
+        return pump
+
+    def _pumped(self, error: str | None) -> None:
+        self._finish(None if error is None else UpstreamProtocolError(error))
+
+    def tail(self) -> bytes:
+        """The last bytes of a pumped body (see :meth:`pump_to`)."""
+        return b"" if self._pump is None else self._pump.tail()
+
     @property
     def error(self) -> UpstreamError | None:
         """Why the answer ended before its end (None: it did not, or not yet)."""
@@ -182,7 +224,7 @@ class UpstreamResponse:
         if self._closed:
             return
         self._closed = True
-        reuse = self._complete and not self._chunks
+        reuse = self._complete and not self._chunks and (self._pump is None or not self._pump.extra)
         self._chunks.clear()
         self._buffered = 0
         if not self._complete and self._error is None:
@@ -205,6 +247,11 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = True
         self.closed = False
         self._paused = False
+        self.pump: ChunkPump | None = None  # the transport's protocol while a body is pumped
+        # For at_boundary: the parser's last event (head, chunk started or complete) and
+        # the last bytes fed.
+        self._last_event = 0
+        self._last_data = b""
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -213,6 +260,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self._last_data = data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -242,12 +290,25 @@ class _Connection(asyncio.Protocol):
         resp = self.response
         if resp is not None:
             resp.status_code = self.parser.get_status_code()
+        self._last_event = _HEAD
         if self.headers_ready is not None and not self.headers_ready.done():
             self.headers_ready.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
             self.response._feed(body)
+
+    def on_chunk_header(self) -> None:
+        self._last_event = _CHUNK
+
+    def on_chunk_complete(self) -> None:
+        self._last_event = _CHUNK_DONE
+
+    def at_boundary(self) -> bool:
+        """Whether the parser stopped between chunks (after the head or a whole chunk,
+        no byte of the next one read): the bytes read next start a chunk."""
+        return (self._last_event in (_HEAD, _CHUNK_DONE) and self._last_data.endswith(b"\r\n")
+                and self.transport is not None)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
@@ -264,6 +325,7 @@ class _Connection(asyncio.Protocol):
 
     def start(self, request: bytes) -> UpstreamResponse:
         self.response = UpstreamResponse(self)
+        self._last_event, self._last_data = 0, b""
         self.headers_ready = asyncio.get_running_loop().create_future()
         self.got_bytes = False
         self.parser = httptools.HttpResponseParser(self)
@@ -287,6 +349,12 @@ class _Connection(asyncio.Protocol):
     def release(self, reuse: bool) -> None:
         self.response = None
         self.headers_ready = None
+        if self.pump is not None:
+            self.pump = None
+            if self.transport is not None and not self.closed:
+                self.transport.set_protocol(self)  # the answer is over: this reads again
+                self.transport.resume_reading()  # (the pump may have paused it at the end)
+                self._paused = False
         if reuse and self.keep_alive and self.usable():
             self.resume()
             idle = self.pool._idle[self.key]

@@ -173,6 +173,9 @@ class AggregatorSettings(BaseSettings):
     lookup_in_protocol: bool = Field(True, description="kvevents serve: answer common "
                                      "POST /v1/lookup bodies in the HTTP protocol, before the "
                                      "ASGI app (false: every lookup through the app)")
+    openai_in_protocol: bool = Field(True, description="kvevents serve: hand the gateway's "
+                                     "OpenAI requests to it from the HTTP protocol, past the "
+                                     "ASGI app's middleware (false: through the app)")
     workers: int = Field(1, ge=1, le=256, description="kvevents serve: processes serving the "
                          "one port, each following every engine (SO_REUSEPORT); 'auto': one "
                          "per core this process may use")

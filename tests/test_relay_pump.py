@@ -1,0 +1,287 @@
+"""The compiled relay of chunked answers (``kvevents.gateway._pump.ChunkPump``, through
+``UpstreamResponse.pump_to``), with real sockets: an engine (a raw asyncio server) that
+writes a chunked answer in pieces of any size, the gateway's pool reading it, and a real
+client connection on the other side whose bytes are checked.
+
+* whatever the pieces' sizes, the client gets every chunk exactly as the engine framed it,
+  the end marker left to the caller, the tail is the decoded body's end, and the engine
+  connection goes back to the pool and serves the next request;
+* a chunk cut across reads is held until it is whole (the client stays at a chunk
+  boundary), unless it is bigger than ``hold_max``;
+* malformed framing, an engine that closes mid-answer, and bytes after the end: the answer
+  ends with an error (or is not reused), and nothing malformed reaches the client;
+* a client that does not read pauses the engine; reading resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+
+import pytest
+
+from uvicorn.protocols.http.flow_control import FlowControl
+
+from kvevents.gateway.upstream import UpstreamPool, UpstreamProtocolError
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def framed(chunks: list[bytes]) -> bytes:
+    return b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in chunks)
+
+
+def events(n: int, seed: int = 1) -> list[bytes]:
+    rnd = random.Random(seed)
+    return [b"data: {\"i\": %d, \"t\": \"%s\"}\n\n" % (i, b"x" * rnd.randint(0, 400)) for i in range(n)]
+
+
+class Engine(asyncio.Protocol):
+    """Answers each request with ``script(n)``: a list of (bytes, delay_s) to write."""
+
+    script = None
+    requests = 0
+    writes_paused = 0
+
+    def connection_made(self, transport) -> None:
+        self.t = transport
+        self.buf = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        head, sep, rest = self.buf.partition(b"\r\n\r\n")
+        if not sep:
+            return
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        if len(rest) < length:
+            return
+        self.buf = rest[length:]
+        Engine.requests += 1
+        asyncio.get_running_loop().create_task(self._answer(type(self).script(Engine.requests)))
+
+    async def _answer(self, pieces) -> None:
+        for data, delay in pieces:
+            if self.t.is_closing():
+                return
+            self.t.write(data)
+            if delay:
+                await asyncio.sleep(delay)
+        if getattr(self, "close_after", False):
+            self.t.close()
+
+    def pause_writing(self) -> None:
+        Engine.writes_paused += 1
+
+
+class Client(asyncio.Protocol):
+    """The gateway's side of a client connection (what uvicorn's protocol would be)."""
+
+    def connection_made(self, transport) -> None:
+        self.t = transport
+        self.flow = FlowControl(transport)
+        self.on_writable = None
+
+    def pause_writing(self) -> None:
+        self.flow.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.flow.resume_writing()
+        if self.on_writable is not None:
+            self.on_writable()
+
+
+async def setup(script, engine_cls=Engine):
+    loop = asyncio.get_running_loop()
+    engine_cls.script = staticmethod(script)
+    server = await loop.create_server(engine_cls, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    reader = socket.create_connection(lsock.getsockname())
+    accepted, _ = lsock.accept()
+    lsock.close()
+    _, client = await loop.connect_accepted_socket(Client, accepted)
+    reader.setblocking(False)
+    return server, f"http://127.0.0.1:{port}", client, reader
+
+
+async def read_all(reader: socket.socket, until: int, timeout: float = 10.0) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = b""
+    deadline = loop.time() + timeout
+    while len(buf) < until and loop.time() < deadline:
+        try:
+            buf += await asyncio.wait_for(loop.sock_recv(reader, 1 << 20), deadline - loop.time())
+        except asyncio.TimeoutError:
+            break
+    return buf
+
+
+async def pumped(pool: UpstreamPool, url: str, client: Client, tail: int = 4096):
+    """Send a request; pump its answer to ``client``; (response, pump, ended-future, firsts)."""
+    resp = await pool.send(url, "/v1/chat/completions", b"{}", [])
+    ended = asyncio.get_running_loop().create_future()
+    firsts: list[int] = []
+    pump = resp.pump_to(client.t, client.flow, lambda: firsts.append(1),
+                        lambda: ended.done() or ended.set_result(None), tail)
+    if pump is not None:
+        client.on_writable = pump.resume
+    return resp, pump, ended, firsts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_split_of_the_answer_reaches_the_client_as_the_engine_framed_it(seed):
+    chunks = events(120, seed)
+    body = framed(chunks) + b"0\r\n\r\n"
+
+    def script(n):
+        rnd = random.Random(seed * 100 + n)
+        pieces, i = [(HEAD, 0.005)], 0  # the head alone: the pump starts at a boundary
+        while i < len(body):
+            k = rnd.choice([1, 2, 5, 50, 300, 2000])
+            pieces.append((body[i:i + k], 0.001 if rnd.random() < 0.3 else 0))
+            i += k
+        return pieces
+
+    async def go():
+        server, url, client, reader = await setup(script)
+        pool = UpstreamPool()
+        try:
+            for _ in range(2):  # the second on the same (pooled) connection
+                resp, pump, ended, firsts = await pumped(pool, url, client)
+                assert pump is not None
+                await asyncio.wait_for(ended, 10)
+                got = await read_all(reader, len(body) - 5)
+                assert got == body[:-5]  # every chunk as framed; the end marker is the caller's
+                assert resp.error is None and firsts == [1]
+                assert resp.tail() == b"".join(chunks)[-4096:]
+                resp.close()
+                assert pool.idle_connections() == 1
+            assert Engine.requests >= 2
+        finally:
+            pool.close()
+            client.t.close()
+            reader.close()
+            server.close()
+
+    Engine.requests = 0
+    asyncio.run(go())
+
+
+def test_a_chunk_cut_across_reads_is_held_until_whole_unless_too_big():
+    big = b"y" * 5000
+    body = framed([b"data: a\n\n", big]) + b"0\r\n\r\n"
+    cut = body.index(big) + 1000  # inside the big chunk
+
+    def script(n):
+        return [(HEAD, 0.005), (body[:cut], 0.2), (body[cut:], 0)]
+
+    async def go():
+        server, url, client, reader = await setup(script)
+        pool = UpstreamPool()
+        try:
+            resp, pump, ended, _ = await pumped(pool, url, client)
+            assert pump is not None
+            await asyncio.sleep(0.1)  # the first piece is in; the second is 0.2 s away
+            early = await read_all(reader, 1, timeout=0.05)
+            await asyncio.wait_for(ended, 10)
+            rest = await read_all(reader, len(body) - 5 - len(early))
+            assert early + rest == body[:-5]
+            return early
+        finally:
+            pool.close()
+            client.t.close()
+            reader.close()
+            server.close()
+
+    early = asyncio.run(go())
+    assert early == framed([b"data: a\n\n"])  # the whole first chunk, none of the cut one
+
+
+@pytest.mark.parametrize("tail, error", [
+    (b"zz\r\n", "bad chunk size"),
+    (b"5\r\nabcdefgh\r\n", "chunk longer than its size"),
+    (b"5\r\nab", "closed the connection"),
+])
+def test_a_broken_answer_ends_with_an_error_and_the_client_gets_whole_chunks_only(tail, error):
+    good = framed(events(3))
+
+    class Closing(Engine):
+        close_after = True
+
+    async def go():
+        server, url, client, reader = await setup(lambda n: [(HEAD, 0.005), (good, 0.01), (tail, 0)],
+                                                  Closing)
+        pool = UpstreamPool()
+        try:
+            resp, pump, ended, _ = await pumped(pool, url, client)
+            await asyncio.wait_for(ended, 10)
+            assert isinstance(resp.error, UpstreamProtocolError) and error in str(resp.error)
+            assert not pump.mid_chunk
+            assert await read_all(reader, len(good) + 1, timeout=0.3) == good
+            resp.close()
+            assert pool.idle_connections() == 0
+        finally:
+            pool.close()
+            client.t.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(go())
+
+
+def test_bytes_after_the_end_keep_the_connection_out_of_the_pool():
+    body = framed(events(2)) + b"0\r\n\r\nHTTP/1.1 200 OK\r\n"
+
+    async def go():
+        server, url, client, reader = await setup(lambda n: [(HEAD, 0.005), (body, 0)])
+        pool = UpstreamPool()
+        try:
+            resp, pump, ended, _ = await pumped(pool, url, client)
+            await asyncio.wait_for(ended, 10)
+            assert resp.error is None and pump.extra > 0
+            resp.close()
+            assert pool.idle_connections() == 0
+        finally:
+            pool.close()
+            client.t.close()
+            reader.close()
+            server.close()
+
+    asyncio.run(go())
+
+
+def test_a_client_that_does_not_read_pauses_the_engine_and_reading_resumes_it():
+    chunk = b"data: " + b"z" * 16000 + b"\n\n"
+    n = 2000  # ~32 MB: far more than the sockets' buffers
+    body = framed([chunk] * n) + b"0\r\n\r\n"
+
+    def script(_):
+        return [(HEAD, 0.005)] + [(framed([chunk]), 0) for _ in range(n)] + [(b"0\r\n\r\n", 0)]
+
+    async def go():
+        server, url, client, reader = await setup(script)
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        pool = UpstreamPool()
+        try:
+            resp, pump, ended, _ = await pumped(pool, url, client)
+            await asyncio.sleep(1.0)  # nobody reads
+            assert not ended.done()
+            assert client.flow.write_paused  # the client's socket is full ...
+            assert client.t.get_write_buffer_size() < 1 << 20  # ... and the pump stopped there
+            assert Engine.writes_paused >= 1  # the engine could not write on: paused
+            got = await read_all(reader, len(body) - 5, timeout=30)
+            await asyncio.wait_for(ended, 10)
+            assert got == body[:-5]
+            resp.close()
+        finally:
+            pool.close()
+            client.t.close()
+            reader.close()
+            server.close()
+
+    Engine.writes_paused = 0
+    asyncio.run(go())
