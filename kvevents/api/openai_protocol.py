@@ -43,7 +43,7 @@ from starlette.requests import Request
 from kvevents.api.lookup_protocol import LookupHttpProtocol
 from kvevents.gateway.errors import error_body
 from kvevents.gateway.prompt import CHAT, COMPLETIONS
-from kvevents.gateway.relay import DIRECT
+from kvevents.gateway.relay import DIRECT, GONE
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class OpenAIHttpProtocol(LookupHttpProtocol):
         scope["raw_path"] = self.url
         scope["query_string"] = b""
         ex = self._ex = Exchange(self, parser.should_keep_alive())
-        scope["extensions"] = {DIRECT: (weakref.ref(self), weakref.ref(ex))}
+        scope["extensions"] = {DIRECT: (weakref.ref(self), weakref.ref(ex)), GONE: ex.watch}
         self.cycle = ex
         task = self.loop.create_task(ex.run(gateway, scope, kind))
         task.add_done_callback(self.tasks.discard)
@@ -140,7 +140,7 @@ class Exchange:
 
     __slots__ = ("protocol", "keep_alive", "response_started", "response_complete",
                  "disconnected", "chunked_encoding", "reading", "body", "_head", "_waiters",
-                 "_body_taken", "__weakref__")
+                 "_body_taken", "_gone", "__weakref__")
 
     def __init__(self, protocol: OpenAIHttpProtocol, keep_alive: bool) -> None:
         self.protocol = protocol
@@ -153,6 +153,7 @@ class Exchange:
         self.body: list[bytes] = []
         self._head: bytes | None = None  # a sized answer's head, written with its body
         self._waiters: list[asyncio.Future] = []
+        self._gone: list[asyncio.Future] = []  # watch()es waiting for the client to leave
         self._body_taken = False
 
     # -- what the protocol tells it ----------------------------------------------------------
@@ -176,6 +177,20 @@ class Exchange:
         if not self.response_complete:
             self.disconnected = True
         self.set()
+        gone, self._gone = self._gone, []
+        for fut in gone:
+            if not fut.done():
+                fut.set_result(None)
+
+    def watch(self) -> asyncio.Future:
+        """A future done when the client has gone (``scope["extensions"][GONE]``)."""
+        fut = self.protocol.loop.create_future()
+        if self.disconnected:
+            fut.set_result(None)
+        else:
+            self._gone = [f for f in self._gone if not f.done()]  # cancelled ones go
+            self._gone.append(fut)
+        return fut
 
     # -- ASGI ------------------------------------------------------------------------------------
 

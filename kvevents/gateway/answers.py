@@ -61,12 +61,15 @@ def cached_tokens(body: bytes) -> int | None:
 
 def stream_cached_tokens(tail: bytes) -> int | None:
     """The same, from the last usage chunk of a streamed answer (``include_usage``)."""
-    if b"cached_tokens" not in tail:
+    at = tail.rfind(b"cached_tokens")  # the last line that has it: no split of the tail
+    if at < 0:
         return None
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data:") and b"cached_tokens" in line:
-            try:
-                return usage_cached(json.loads(line[5:]))
-            except ValueError:
-                return None
-    return None
+    start = tail.rfind(b"\n", 0, at) + 1
+    end = tail.find(b"\n", at)
+    line = tail[start:] if end < 0 else tail[start:end]
+    if not line.startswith(b"data:"):
+        return None
+    try:
+        return usage_cached(json.loads(line[5:]))
+    except ValueError:
+        return None

@@ -62,11 +62,24 @@ class GatewayMetrics:
             "a request head or body too slow, or too many connections", ["reason"], registry=registry)
         for reason in ("header_timeout", "body_timeout", "evicted", "over_capacity"):
             self.connections_closed.labels(reason)
+        self._children: dict[tuple, object] = {}  # see of()
         self.untokenized = Counter("kvevents_gateway_untokenized_total", "Prompts routed by load "
                                    "alone: no token ids", registry=registry)
 
+    def of(self, metric, *labels: str):
+        """``metric.labels(*labels)``, kept: the series every answered request updates
+        (prometheus_client checks and converts the labels on every ``labels`` call)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= 4096:  # (models named by clients: bounded)
+                self._children.clear()
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def forget_engine(self, engine: str) -> None:
         """Drop an engine's series (it left the fleet)."""
+        self._children.clear()  # (kept ones may be an engine's that goes now)
         for metric in (self.requests, self.predicted, self.reported, self.usage_reports):
             for labels in [k for k in list(metric._metrics) if k[0] == engine]:  # noqa: SLF001
                 metric.remove(*labels)

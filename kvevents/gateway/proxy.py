@@ -52,11 +52,12 @@ from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.memory import MemoryTrim
 from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
-from kvevents.gateway.relay import Relay
+from kvevents.gateway.relay import Relay, client_gone
 from kvevents.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamPool,
                                        UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router
 from kvevents.text import TokenizerRegistry
+from kvevents.text.limits import text_chars
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ class Gateway:
                        None if arr is None else self.flights.add(engine.name, arr))
             self._announce(decision, model, ids, session)
             self.loads.started(engine.name, prefill[0])
-            self.metrics.inflight.labels(engine.name).inc()
+            self.metrics.of(self.metrics.inflight, engine.name).inc()
             try:
                 upstream = await self._send(request, engine, req, headers)
             except OpenAIError as exc:  # the client left before any answer
@@ -312,7 +313,7 @@ class Gateway:
         it before any answer. A client gone meanwhile cancels the send."""
         assert engine.http is not None
         send = asyncio.ensure_future(self.upstream.send(engine.http, PATHS[req.kind], req.body, headers))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = client_gone(request.scope, request.receive)
         try:
             done, _ = await asyncio.wait((send, gone), timeout=self.timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -351,19 +352,20 @@ class Gateway:
         self.loads.finished(engine, prefill[0])
         if prefill[1] is not None:
             self.flights.remove(prefill[1])
-        self.metrics.inflight.labels(engine).dec()
+        self.metrics.of(self.metrics.inflight, engine).dec()
 
     def _count(self, engine: str, model: str | None, status: int, t0: float,
                usage: tuple[int, int] | None) -> None:
         """One request's end: its status, latency, and (reported, predicted) cached tokens."""
         m = model or ""
-        self.metrics.requests.labels(engine, m, str(status)).inc()
-        self.metrics.latency.labels(m).observe(time.perf_counter() - t0)
+        metrics = self.metrics
+        metrics.of(metrics.requests, engine, m, str(status)).inc()
+        metrics.of(metrics.latency, m).observe(time.perf_counter() - t0)
         if usage is not None:
             reported, predicted = usage
-            self.metrics.predicted.labels(engine, m).inc(predicted)
-            self.metrics.reported.labels(engine, m).inc(reported)
-            self.metrics.usage_reports.labels(engine, m).inc()
+            metrics.of(metrics.predicted, engine, m).inc(predicted)
+            metrics.of(metrics.reported, engine, m).inc(reported)
+            metrics.of(metrics.usage_reports, engine, m).inc()
             t = self.loads.of(engine)
             t.predicted_cached += predicted
             t.reported_cached += reported
@@ -373,7 +375,7 @@ class Gateway:
                      model: str | None, predicted: int, prefill: tuple, t0: float) -> Response:
         """A non-streamed answer (or an engine's error), read whole while watching the client."""
         read = asyncio.ensure_future(upstream.aread())
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = client_gone(request.scope, request.receive)
         error: OpenAIError | None = None
         try:
             done, _ = await asyncio.wait((read, gone), timeout=self.timeout_s,
@@ -404,7 +406,7 @@ class Gateway:
         m = model or ""
 
         def first() -> None:
-            self.metrics.ttft.labels(m).observe(time.perf_counter() - t0)
+            self.metrics.of(self.metrics.ttft, m).observe(time.perf_counter() - t0)
 
         def end(status: int, tail: bytes) -> None:
             self.inflight -= 1
@@ -447,20 +449,11 @@ class Gateway:
 def prompt_chars(req: OpenAIRequest) -> int:
     """Characters of a request's prompt text: a completion's string prompt, or every
     string in the chat messages (contents, content parts, tool calls' arguments, names:
-    whatever a chat template may render). One step per string, not per character."""
+    whatever a chat template may render), as :func:`~kvevents.text.limits.text_chars`
+    counts them for ``/v1/lookup`` and ``/v1/route``. One step per string."""
     if req.kind != CHAT:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
-    total = 0
-    stack: list = [req.messages or ()]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            total += len(value)
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-    return total
+    return text_chars(req.messages)
 
 
 def _abandon(send: asyncio.Future) -> None:
@@ -474,10 +467,3 @@ def _close_answer(send: asyncio.Future) -> None:
     if not send.cancelled() and send.exception() is None:
         send.result().close()
 
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client goes away (its body was already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -63,8 +63,21 @@ USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
 #: weak references to ``(protocol, cycle)``, uvicorn's ``HttpToolsProtocol`` and the
 #: request's ``RequestResponseCycle`` (see :func:`_direct_protocol`).
 DIRECT = "kvevents.direct"
+#: The ASGI scope extension under which a server offers ``watch()``: a new future, done
+#: when the client has gone (no task per watch; see :func:`client_gone`).
+GONE = "kvevents.gone"
 
-__all__ = ["DIRECT", "Relay", "USAGE_TAIL"]
+__all__ = ["DIRECT", "GONE", "Relay", "USAGE_TAIL", "client_gone"]
+
+
+def client_gone(scope: Scope, receive: Receive) -> asyncio.Future:
+    """A future done when the client goes away (its body was already read): the
+    server's own watch when it offers one (``scope["extensions"][GONE]``), else a task
+    reading ``receive`` until ``http.disconnect``. Cancel it when done with it."""
+    watch = scope.get("extensions", {}).get(GONE)
+    if watch is not None:
+        return watch()
+    return asyncio.ensure_future(_disconnected(receive))
 
 
 class Relay(Response):
@@ -103,7 +116,7 @@ class Relay(Response):
         up = self.upstream
         status = up.status_code
         tail = b""
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = client_gone(scope, receive)
         # The client gone: close the engine's stream now, wherever the relay waits.
         gone.add_done_callback(lambda f: None if f.cancelled() else up.close())
         try:

@@ -48,9 +48,9 @@ next in-order batch straight to the consumer's compiled sink, which applies it; 
 first message it does not take (anything but that common case) ends the lane's drain
 and goes through the Python path below, which shares the same per-source cursor (the
 next drain tries the lane again; after two drains in a row whose first message was not
-the lane's, the rest of such a drain goes the Python way whole). The
-consumer learns what the sink applied from :class:`BatchesApplied`, at most every
-``_LANE_REPORT_S`` per source and before any other signal of that source.
+the lane's, the rest of such a drain goes the Python way whole). The consumer learns
+what the sink applied from :class:`BatchesApplied`, at most every ``_LANE_REPORT_S``
+per source and before any other signal of that source.
 
 Here: the :class:`Subscriber` (construction, public API, loop thread, watchdog,
 ``poll_once``, housekeeping, the lane's drains and reports). Its mixins, run by the
@@ -105,7 +105,6 @@ __all__ = [
     "BatchReceived", "BatchesApplied", "BatchesReceived", "BatchesLost", "Consumer", "GapDetected", "PublisherRestarted",
     "Resynced", "Signal", "SourceConfig", "SourceStats", "Subscriber",
 ]
-
 
 
 class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
@@ -225,6 +224,11 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         if self._final_stats is not None:
             return self._final_stats
         return {n: s.stats.snapshot() for n, s in list(self._sources.items())}
+
+    def disconnected(self, names: list[str]) -> set[str]:
+        """``names`` not connected to their publisher now, unknown ones too (no snapshot)."""
+        live = self._final_stats or {n: src.stats for n, src in list(self._sources.items())}
+        return {n for n in names if (st := live.get(n)) is None or st.connected <= 0}
 
     def running(self) -> bool:
         """True while the loop thread is alive (False before ``start`` and after ``stop``)."""

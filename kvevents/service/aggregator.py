@@ -312,7 +312,7 @@ class Aggregator:
     def down_engines(self) -> set[str]:
         """Engines with no connection to their publisher now (no index access: cheap
         enough for the event loop)."""
-        return self.engines.down(self._subscriber.stats())
+        return self._subscriber.disconnected(self.engines.names())
 
     def leaving_engines(self) -> set[str]:
         """Engines their discovery source no longer lists, in their grace period."""
