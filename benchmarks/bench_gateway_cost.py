@@ -201,6 +201,13 @@ def kv_inputs(metrics_port: int) -> dict[str, float]:
     return out
 
 
+def block_events_applied(port: int) -> float:
+    """Our server's ``kvevents_block_events_applied_total`` (every worker's, summed)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(
+        r"^kvevents_block_events_applied_total(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM to the router's whole session (vllm-router's launcher and its children too)."""
     try:
@@ -243,6 +250,12 @@ def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Pa
                               pid_cpu(e["proc"].pid) - c for e, c in zip(engines, eng0)) / args.requests * 1e3,
                           "latency_p50_ms": median(got["latencies"]) * 1e3}
         out["added"] = added_latency(port, engines[0]["port"], files["added"], args)
+        if kind == "ours" and args.kv_events:
+            # The engines' events reached the index (a run where they did not is not one
+            # with KV events flowing).
+            out["block_events_applied"] = block_events_applied(port)
+            if out["block_events_applied"] <= 0:
+                raise RuntimeError("--kv-events: the server applied no block events")
         if metrics_port is not None:
             inputs = kv_inputs(metrics_port)
             out["vllm_router_kv_routing_inputs"] = inputs

@@ -23,7 +23,7 @@ import pytest
 
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from kvevents.gateway.upstream import UpstreamPool, UpstreamProtocolError
+from kvevents.gateway.upstream import TAIL_BYTES, UpstreamPool, UpstreamProtocolError
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -120,13 +120,13 @@ async def read_all(reader: socket.socket, until: int, timeout: float = 10.0) -> 
     return buf
 
 
-async def pumped(pool: UpstreamPool, url: str, client: Client, tail: int = 4096):
+async def pumped(pool: UpstreamPool, url: str, client: Client):
     """Send a request; pump its answer to ``client``; (response, pump, ended-future, firsts)."""
     resp = await pool.send(url, "/v1/chat/completions", b"{}", [])
     ended = asyncio.get_running_loop().create_future()
     firsts: list[int] = []
     pump = resp.pump_to(client.t, client.flow, lambda: firsts.append(1),
-                        lambda: ended.done() or ended.set_result(None), tail)
+                        lambda: ended.done() or ended.set_result(None))
     if pump is not None:
         client.on_writable = pump.resume
     return resp, pump, ended, firsts
@@ -157,7 +157,7 @@ def test_any_split_of_the_answer_reaches_the_client_as_the_engine_framed_it(seed
                 got = await read_all(reader, len(body) - 5)
                 assert got == body[:-5]  # every chunk as framed; the end marker is the caller's
                 assert resp.error is None and firsts == [1]
-                assert resp.tail() == b"".join(chunks)[-4096:]
+                assert resp.tail() == b"".join(chunks)[-TAIL_BYTES:]
                 resp.close()
                 assert pool.idle_connections() == 1
             assert Engine.requests >= 2
@@ -284,4 +284,37 @@ def test_a_client_that_does_not_read_pauses_the_engine_and_reading_resumes_it():
             server.close()
 
     Engine.writes_paused = 0
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("reader", ["pump", "aread"])
+def test_a_body_that_came_with_its_head_is_held_then_pumped_at_once_or_read_decoded(reader):
+    chunks = events(64, 7)
+    body = framed(chunks) + b"0\r\n\r\n"
+
+    async def go():
+        server, url, client, reader_sock = await setup(lambda n: [(HEAD + body, 0)])
+        pool = UpstreamPool()
+        try:
+            for _ in range(2):
+                resp = await pool.send(url, "/v1/chat/completions", b"{}", [])
+                await asyncio.sleep(0.1)  # the whole answer is in before anyone reads it
+                if reader == "pump":
+                    ended = asyncio.get_running_loop().create_future()
+                    firsts: list[int] = []
+                    pump = resp.pump_to(client.t, client.flow, lambda: firsts.append(1),
+                                        lambda: ended.done() or ended.set_result(None))
+                    assert pump is not None and ended.done() and firsts == [1]
+                    assert await read_all(reader_sock, len(body) - 5) == body[:-5]
+                    assert resp.tail() == b"".join(chunks)[-TAIL_BYTES:]
+                else:
+                    assert await resp.aread() == b"".join(chunks)
+                resp.close()
+                assert pool.idle_connections() == 1  # whole and clean: kept for the next
+        finally:
+            pool.close()
+            client.t.close()
+            reader_sock.close()
+            server.close()
+
     asyncio.run(go())

@@ -72,6 +72,8 @@ cdef class ChunkPump:
     cdef Py_ssize_t hold_max
     cdef bytearray _tail
     cdef bytes held             # the start of an incomplete chunk, not yet written
+    cdef list _out              # held for the client, before it is given (hold mode)
+    cdef Py_ssize_t _out_size
     cdef State state
     cdef unsigned long long size
     cdef int digits
@@ -96,24 +98,40 @@ cdef class ChunkPump:
         self.hold_max = hold_max
         self._tail = bytearray()
         self.held = b""
+        self._out = []
         self.state = SIZE
+
+    @property
+    def holding(self):
+        """No client yet: what would go to it is kept (see :meth:`start`)."""
+        return self.client is None
+
+    def start(self, client, flow, on_first):
+        """Hold mode ends: ``client`` gets what was kept, in one write, and the rest as
+        it comes; ``on_first()`` now if the body has started."""
+        self.client, self.flow, self.on_first = client, flow, on_first
+        if self._out:
+            out, self._out, self._out_size = self._out, [], 0
+            self._write(out[0] if len(out) == 1 else b"".join(out))
+        if self.started:
+            self._first()
+        if self.paused and not self.ended and self.upstream is not None and not (
+                flow is not None and flow.write_paused):
+            self.paused = False
+            self.upstream.resume_reading()
+
+    def raw(self):
+        """Hold mode: every byte of the body read so far and not yet parsed away (what
+        was kept, then the incomplete chunk or the end marker), for a reader that takes
+        the body another way; the pump is done with after this."""
+        out = b"".join(self._out) + self.held
+        self._out, self._out_size, self.held = [], 0, b""
+        return out
 
     # -- set-up by the answer ------------------------------------------------------------
 
-    def prime(self, chunks):
-        """Chunks the connection decoded before the pump took over: written framed, as
-        the engine framed them, and kept in the tail."""
-        out = []
-        for data in chunks:
-            if data:
-                self._keep(data, 0, len(data))
-                out.append(b"%x\r\n%b\r\n" % (len(data), data))
-        if out:
-            self._first()
-            self._write(b"".join(out))
-
     def attach(self, upstream):
-        """Become the protocol of the engine's transport (at a chunk boundary)."""
+        """Become the protocol of the engine's transport (at the body's start)."""
         self.upstream = upstream
         upstream.set_protocol(self)
 
@@ -261,14 +279,18 @@ cdef class ChunkPump:
         # of a size line still arriving, nor the end marker.
         if term >= 0 or self.state >= TRAILER:  # the end marker: never written
             cut = term if term >= 0 else 0
-            keep_rest = False
-        elif self.mid_chunk or n - boundary > self.hold_max:
+            keep_rest = self.client is None  # (kept in hold mode, for raw())
+        elif self.client is not None and (self.mid_chunk or n - boundary > self.hold_max):
             cut = chunk_start if self.state in (SIZE, EXT, SIZE_LF) else n
             self.mid_chunk = self.state not in (SIZE, EXT, SIZE_LF)
         else:
             cut = boundary
         if keep_rest and cut < n:
             self.held = buf[cut:]
+            if (self.client is None and PyBytes_GET_SIZE(self.held) > self.hold_max
+                    and not self.paused and self.upstream is not None):
+                self.paused = True  # hold mode: one chunk bigger than the bound
+                self.upstream.pause_reading()
         if cut > 0:
             self._write(buf if cut == n else buf[:cut])
         if self.complete:
@@ -290,13 +312,23 @@ cdef class ChunkPump:
 
     cdef void _first(self):
         self.started = True
+        if self.on_first is None:  # hold mode: start() calls it
+            return
+        first, self.on_first = self.on_first, None
         try:
-            self.on_first()
+            first()
         except Exception:
             log.exception("relay: on_first failed")
 
     cdef void _write(self, object data):
         client = self.client
+        if client is None:  # hold mode: kept, and the engine paused past hold_max
+            self._out.append(data)
+            self._out_size += len(data)
+            if self._out_size > self.hold_max and not self.paused and self.upstream is not None:
+                self.paused = True
+                self.upstream.pause_reading()
+            return
         if client.is_closing():
             return  # the client left: its watcher closes the engine's stream
         client.write(data)

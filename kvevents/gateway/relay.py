@@ -25,10 +25,10 @@ The bytes, two ways:
   by compiled code that is that connection's protocol meanwhile
   (:meth:`~kvevents.gateway.upstream.UpstreamResponse.pump_to`): the engine's chunks go
   out as it framed them, one ``write`` per read, with no Python call, coroutine, task
-  or ``send`` message per chunk. A body that is not chunked, or whose first read ended
-  inside a chunk, goes from the read callback through a Python sink, each piece framed
-  as a chunk. The server's ``send`` still writes the head and the final chunk, so its
-  view of the response stays whole. Backpressure: when the client's socket is full (the
+  or ``send`` message per chunk (the pump holds what arrives between the head and this
+  relay, and writes it at once). A body that is not chunked goes from the read callback
+  through a Python sink, each piece framed as a chunk. The server's ``send`` still
+  writes the head and the final chunk, so its view of the response stays whole. Backpressure: when the client's socket is full (the
   server's flow control says so after a write), reading from the engine pauses, and
   resumes when the server's protocol says the socket drained;
 * **through ``send``** (any other server, or a response the server does not frame as
@@ -53,11 +53,11 @@ from starlette.types import Receive, Scope, Send
 
 from kvevents.gateway.answers import is_complete
 from kvevents.gateway.errors import error_body
-from kvevents.gateway.upstream import UpstreamError, UpstreamResponse
+from kvevents.gateway.upstream import TAIL_BYTES, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
-USAGE_TAIL = 16384  # bytes of a streamed answer kept to find its usage chunk
+USAGE_TAIL = TAIL_BYTES  # bytes of a streamed answer kept to find its usage chunk
 
 #: The ASGI scope extension under which the server's protocol offers the connection:
 #: weak references to ``(protocol, cycle)``, uvicorn's ``HttpToolsProtocol`` and the
@@ -182,7 +182,7 @@ class Relay(Response):
             if not ended.done():
                 ended.set_result(None)
 
-        pump = up.pump_to(transport, flow, self._on_first, end, USAGE_TAIL)
+        pump = up.pump_to(transport, flow, self._on_first, end)
         if pump is not None:
             protocol.on_writable = pump.resume
             try:

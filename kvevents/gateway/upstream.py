@@ -48,6 +48,8 @@ from urllib.parse import urlsplit
 import httptools
 
 from kvevents.gateway._pump import ChunkPump
+from kvevents.gateway.upstream_errors import (UpstreamClosed, UpstreamConnectError, UpstreamError,
+                                              UpstreamProtocolError, UpstreamTimeout)
 
 __all__ = ["UpstreamClosed", "UpstreamConnectError", "UpstreamError", "UpstreamPool",
            "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout"]
@@ -57,27 +59,8 @@ __all__ = ["UpstreamClosed", "UpstreamConnectError", "UpstreamError", "UpstreamP
 # this much, not 1 MiB (100 slow streams kept ~100 MB that the allocator did not give back).
 _HIGH_WATER = 1 << 16
 _LOW_WATER = 1 << 14
-_HEAD, _CHUNK, _CHUNK_DONE = 1, 2, 3  # the parser's last event (_Connection.at_boundary)
-
-
-class UpstreamError(Exception):
-    """Any failure talking to an engine."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """The connection could not be opened (refused, unreachable, timed out)."""
-
-
-class UpstreamProtocolError(UpstreamError):
-    """A malformed answer, or a connection that closed before the answer's end."""
-
-
-class UpstreamTimeout(UpstreamError):
-    """No (more of the) answer within the caller's time limit."""
-
-
-class UpstreamClosed(UpstreamError):
-    """The answer was closed by the gateway (its client left) before its end."""
+#: The last bytes of a pumped body kept (the relay finds the usage chunk in them).
+TAIL_BYTES = 16384
 
 
 class UpstreamResponse:
@@ -95,6 +78,7 @@ class UpstreamResponse:
         self._closed = False
         self._sink: Callable[[bytes], None] | None = None  # see relay_to
         self._pump: ChunkPump | None = None  # see pump_to
+        self._dirty = False  # bytes came after the answer's end: not reusable
         self._on_end: Callable[[], None] | None = None
 
     # -- fed by the connection -------------------------------------------------------------
@@ -128,6 +112,7 @@ class UpstreamResponse:
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives (chunked transfer decoded, content untouched)."""
+        self._unhold()
         while True:
             if self._closed:
                 if self._complete:
@@ -154,6 +139,7 @@ class UpstreamResponse:
         ``on_end()`` once when the answer ends (complete, broken off: see :attr:`error`,
         or closed). ``sink`` runs in the connection's read callback: it must not raise;
         it applies backpressure with :meth:`pause_reading` / :meth:`resume_reading`."""
+        self._unhold()
         self._buffered = 0
         self._conn.resume()  # (nothing arrives before this returns: the sink may pause it)
         while self._chunks:
@@ -163,31 +149,31 @@ class UpstreamResponse:
         self._wake()  # already ended: on_end now
 
     def pump_to(self, client: asyncio.Transport, flow, on_first: Callable[[], None],
-                on_end: Callable[[], None], tail_size: int) -> ChunkPump | None:
-        """Hand the body to a :class:`~kvevents.gateway._pump.ChunkPump`, which writes
-        the engine's chunks to ``client`` as they are read, in compiled code (what is
-        buffered already first, framed as the engine framed it), pausing the engine while
-        ``flow.write_paused``; ``on_first()`` at the first body byte, ``on_end()`` once
-        when the answer ends (see :attr:`error`); :meth:`tail` then holds its last
-        ``tail_size`` bytes. The pump's :meth:`~ChunkPump.resume` restarts the engine
-        when the client's socket drains. None (nothing changed: use :meth:`relay_to`)
-        unless the body is chunked, not over or read, and the connection's parser is at a
-        chunk boundary (the pump starts there)."""
-        conn = self._conn
-        if (self._sink is not None or self._pump is not None or self._closed or self._complete
-                or self._error is not None or not conn.at_boundary()
-                or self.headers.get("transfer-encoding", "").strip().lower() != "chunked"):
+                on_end: Callable[[], None]) -> ChunkPump | None:
+        """Hand the body to its :class:`~kvevents.gateway._pump.ChunkPump`, which writes
+        the engine's chunks to ``client`` as they are read, framed as the engine framed
+        them, in compiled code (what it kept since the head first, in one write), pausing
+        the engine while ``flow.write_paused``; ``on_first()`` once the body has started,
+        ``on_end()`` once when the answer ends (see :attr:`error`); :meth:`tail` then
+        holds its last :data:`TAIL_BYTES`. The pump's :meth:`~ChunkPump.resume` restarts
+        the engine when the client's socket drains. None (nothing changed: use
+        :meth:`relay_to`) unless the body is chunked and not read another way."""
+        pump = self._pump
+        if pump is None or not pump.holding or self._sink is not None or self._closed:
             return None
-        pump = ChunkPump(client, flow, on_first, self._pumped, conn.connection_lost, tail_size)
-        self._pump = conn.pump = pump
         self._on_end = on_end
-        chunks = list(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
-        conn.resume()
-        pump.attach(conn.transport)
-        pump.prime(chunks)
+        pump.start(client, flow, on_first)
+        self._wake()  # already ended: on_end now
         return pump
+
+    def _unhold(self) -> None:
+        """The body read another way than pumped: what the pump kept goes through the
+        connection's parser, and the connection reads again."""
+        pump = self._pump
+        if pump is not None and pump.holding:
+            self._pump = None
+            self._dirty = pump.extra > 0
+            self._conn.unpump(pump.raw())
 
     def _pumped(self, error: str | None) -> None:
         self._finish(None if error is None else UpstreamProtocolError(error))
@@ -224,7 +210,8 @@ class UpstreamResponse:
         if self._closed:
             return
         self._closed = True
-        reuse = self._complete and not self._chunks and (self._pump is None or not self._pump.extra)
+        reuse = (self._complete and not self._chunks and not self._dirty
+                 and (self._pump is None or not self._pump.extra))
         self._chunks.clear()
         self._buffered = 0
         if not self._complete and self._error is None:
@@ -248,10 +235,9 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._paused = False
         self.pump: ChunkPump | None = None  # the transport's protocol while a body is pumped
-        # For at_boundary: the parser's last event (head, chunk started or complete) and
-        # the last bytes fed.
-        self._last_event = 0
-        self._last_data = b""
+        # The last 3 bytes read while the answer's head arrives (None: the head is in):
+        # its end, CRLF CRLF, may straddle two reads.
+        self._head_tail: bytes | None = b""
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -260,12 +246,56 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
-        self._last_data = data
+        if self._head_tail is not None:
+            # The head goes to the parser alone: a chunked body is then the pump's, from
+            # its first byte (the parser would hand it over a Python call per chunk).
+            probe = self._head_tail + data
+            end = probe.find(b"\r\n\r\n")
+            if end < 0:
+                self._head_tail = probe[-3:]
+            else:
+                cut = end + 4 - len(self._head_tail)
+                self._parse(data[:cut])
+                data = data[cut:]
+                if self._hold():
+                    if data:
+                        self.pump.data_received(data)
+                    return
+                if not data:
+                    return
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamProtocolError(f"malformed answer: {exc}"))
             self.close()
+
+    def _hold(self) -> bool:
+        """The head is in: a chunked body of a 2xx/3xx answer goes to a pump, which holds
+        it until :meth:`UpstreamResponse.pump_to` gives it the client (or
+        :meth:`unpump` hands it back to the parser)."""
+        resp = self.response
+        if (resp is None or self.closed or self.transport is None or not 200 <= resp.status_code < 400
+                or resp.headers.get("transfer-encoding", "").strip().lower() != "chunked"):
+            return False
+        self.keep_alive = self.parser.should_keep_alive()
+        resp._pump = self.pump = ChunkPump(None, None, None, resp._pumped, self.connection_lost,
+                                           TAIL_BYTES, _HIGH_WATER)
+        self.pump.attach(self.transport)
+        return True
+
+    def unpump(self, raw: bytes) -> None:
+        """Back from a holding pump: this protocol reads again, and ``raw`` (the body so
+        far) goes through the parser."""
+        self.pump = None
+        if not self.closed and self.transport is not None and not self.transport.is_closing():
+            self.transport.set_protocol(self)
+            self.transport.resume_reading()
+            self._paused = False
+        if raw:
+            self._parse(raw)
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
@@ -290,25 +320,13 @@ class _Connection(asyncio.Protocol):
         resp = self.response
         if resp is not None:
             resp.status_code = self.parser.get_status_code()
-        self._last_event = _HEAD
+        self._head_tail = None
         if self.headers_ready is not None and not self.headers_ready.done():
             self.headers_ready.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
             self.response._feed(body)
-
-    def on_chunk_header(self) -> None:
-        self._last_event = _CHUNK
-
-    def on_chunk_complete(self) -> None:
-        self._last_event = _CHUNK_DONE
-
-    def at_boundary(self) -> bool:
-        """Whether the parser stopped between chunks (after the head or a whole chunk,
-        no byte of the next one read): the bytes read next start a chunk."""
-        return (self._last_event in (_HEAD, _CHUNK_DONE) and self._last_data.endswith(b"\r\n")
-                and self.transport is not None)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
@@ -325,7 +343,7 @@ class _Connection(asyncio.Protocol):
 
     def start(self, request: bytes) -> UpstreamResponse:
         self.response = UpstreamResponse(self)
-        self._last_event, self._last_data = 0, b""
+        self._head_tail = b""
         self.headers_ready = asyncio.get_running_loop().create_future()
         self.got_bytes = False
         self.parser = httptools.HttpResponseParser(self)
