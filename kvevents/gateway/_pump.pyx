@@ -17,10 +17,15 @@ that chunk's start here until the rest arrives, unless more than ``hold_max`` by
 held; then they go out (``mid_chunk`` is set: an answer that breaks off now can only be
 ended by closing the client's connection).
 
-Lifecycle: made per streamed answer by :meth:`UpstreamResponse.pump_to
-<kvevents.gateway.upstream.UpstreamResponse.pump_to>`, installed as the engine
-transport's protocol at a chunk boundary (:meth:`attach`), and handed back when the
-answer ends. Callbacks: ``on_first()`` once, at the first body byte (TTFT);
+Lifecycle: made by the engine connection when a chunked answer's head is in, without a
+client ("hold" mode: what would be written is kept, and reading pauses past
+``hold_max``), and installed as the engine transport's protocol from the body's first
+byte (:meth:`attach`). :meth:`UpstreamResponse.pump_to
+<kvevents.gateway.upstream.UpstreamResponse.pump_to>` gives it the client
+(:meth:`start`: what was kept goes out in one write); a reader that wants the body
+decoded takes :meth:`raw` instead. The connection takes its transport back when the
+answer ends. Callbacks: ``on_first()`` once, at the first body byte (TTFT; at
+:meth:`start` for a body that began while held);
 ``on_end(error)`` once, with None at the end marker or a message when the framing is
 malformed or the connection ended first (then the engine's transport is closed here or
 already). Backpressure: after a write that leaves the client's socket full (the server's
