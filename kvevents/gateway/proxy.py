@@ -466,4 +466,3 @@ def _abandon(send: asyncio.Future) -> None:
 def _close_answer(send: asyncio.Future) -> None:
     if not send.cancelled() and send.exception() is None:
         send.result().close()
-
