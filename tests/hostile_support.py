@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,43 @@ def raw_request(port: int, body: bytes, path: str = "/v1/chat/completions",
                 headers: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n{headers}\r\n").encode() + body
+
+
+def read_response(s: socket.socket, buf: bytes = b"", timeout: float = 10.0) -> tuple[bytes, bytes, bytes]:
+    """One HTTP/1.1 response from ``s`` (head, decoded body, what followed it)."""
+    s.settimeout(timeout)
+    while b"\r\n\r\n" not in buf:
+        got = s.recv(65536)
+        assert got, f"connection closed before a response head: {buf!r}"
+        buf += got
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        body = b""
+        while True:
+            while b"\r\n" not in rest:
+                rest += s.recv(65536)
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.split(b";")[0], 16)
+            while len(rest) < size + 2:
+                got = s.recv(65536)
+                assert got, "connection closed inside a chunk"
+                rest += got
+            if size == 0:
+                return head, body, rest[2:]
+            body, rest = body + rest[:size], rest[size + 2:]
+    length = int(re.search(rb"content-length: *(\d+)", lower).group(1))
+    while len(rest) < length:
+        got = s.recv(65536)
+        assert got
+        rest += got
+    return head, rest[:length], rest[length:]
+
+
+def head_fields(head: bytes) -> tuple[int, dict[str, str]]:
+    """A response head's status and headers (names lowercased)."""
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split()[1]), {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:])}
 
 
 def connect(port: int, timeout: float = 10.0) -> socket.socket:

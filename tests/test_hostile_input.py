@@ -22,25 +22,13 @@ import httpx
 import pytest
 
 from hostile_support import fleet, tokenizer  # noqa: F401 (fixtures)
-from hostile_support import GatewayProcess, chat_body, connect, raw_request, reset, wait_for
+from hostile_support import (GatewayProcess, chat_body, connect, head_fields, raw_request,
+                             read_response, reset, wait_for)
 
 
 def _response(s: socket.socket, timeout: float = 5.0) -> tuple[int, dict, bytes]:
-    s.settimeout(timeout)
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        got = s.recv(65536)
-        assert got, f"connection closed before a response: {buf!r}"
-        buf += got
-    head, _, body = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    size = int(headers.get("content-length", 0))
-    while len(body) < size:
-        got = s.recv(65536)
-        assert got, "connection closed inside a body"
-        body += got
-    return int(lines[0].split()[1]), headers, body
+    head, body, _ = read_response(s, timeout=timeout)
+    return (*head_fields(head), body)
 
 
 def _closed(s: socket.socket, timeout: float) -> bool:

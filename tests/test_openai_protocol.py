@@ -21,38 +21,7 @@ import httpx
 import pytest
 
 from hostile_support import fleet, tokenizer  # noqa: F401 (fixtures)
-from hostile_support import GatewayProcess, chat_body, connect, raw_request, wait_for
-
-
-def read_response(s: socket.socket, buf: bytes = b"", timeout: float = 10.0) -> tuple[bytes, bytes, bytes]:
-    """One HTTP/1.1 response from ``s`` (head, decoded body, what followed it)."""
-    s.settimeout(timeout)
-    while b"\r\n\r\n" not in buf:
-        got = s.recv(65536)
-        assert got, f"connection closed before a response head: {buf!r}"
-        buf += got
-    head, _, rest = buf.partition(b"\r\n\r\n")
-    lower = head.lower()
-    if b"transfer-encoding: chunked" in lower:
-        body = b""
-        while True:
-            while b"\r\n" not in rest:
-                rest += s.recv(65536)
-            size_line, _, rest = rest.partition(b"\r\n")
-            size = int(size_line.split(b";")[0], 16)
-            while len(rest) < size + 2:
-                got = s.recv(65536)
-                assert got, "connection closed inside a chunk"
-                rest += got
-            if size == 0:
-                return head, body, rest[2:]
-            body, rest = body + rest[:size], rest[size + 2:]
-    length = int(re.search(rb"content-length: *(\d+)", lower).group(1))
-    while len(rest) < length:
-        got = s.recv(65536)
-        assert got
-        rest += got
-    return head, rest[:length], rest[length:]
+from hostile_support import GatewayProcess, chat_body, connect, raw_request, read_response, wait_for
 
 
 def normalise(head: bytes) -> bytes:

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 
 from hostile_support import fleet, tokenizer  # noqa: F401 (fixtures)
-from hostile_support import GatewayProcess, connect, raw_request
+from hostile_support import GatewayProcess, connect, head_fields, raw_request, read_response
 from kvevents.api.body import LookupBody
 from kvevents.text.limits import check_chars, text_chars
 from kvevents.text.prompt import InputError
@@ -58,19 +58,8 @@ def _post(port: int, path: str, body: bytes) -> tuple[int, dict, float]:
     try:
         t = time.monotonic()
         s.sendall(raw_request(port, body, path=path))
-        buf = b""
-        while b"\r\n\r\n" not in buf:
-            got = s.recv(65536)
-            assert got, f"closed before a response: {buf!r}"
-            buf += got
-        head, _, rest = buf.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        size = int(next(v for k, v in (x.split(":", 1) for x in lines[1:]) if k.lower() == "content-length"))
-        while len(rest) < size:
-            got = s.recv(65536)
-            assert got, "closed inside a body"
-            rest += got
-        return int(lines[0].split()[1]), json.loads(rest), time.monotonic() - t
+        head, answer, _ = read_response(s)
+        return head_fields(head)[0], json.loads(answer), time.monotonic() - t
     finally:
         s.close()
 

@@ -16,6 +16,7 @@ client connection on the other side whose bytes are checked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 
@@ -92,11 +93,13 @@ class Client(asyncio.Protocol):
             self.on_writable()
 
 
-async def setup(script, engine_cls=Engine):
+@contextlib.asynccontextmanager
+async def rig(script, engine_cls=Engine):
+    """An engine answering ``script(n)``, the gateway's pool, and a client connection:
+    (engine URL, the client's gateway side, the client's own socket, the pool)."""
     loop = asyncio.get_running_loop()
     engine_cls.script = staticmethod(script)
     server = await loop.create_server(engine_cls, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(1)
@@ -105,7 +108,14 @@ async def setup(script, engine_cls=Engine):
     lsock.close()
     _, client = await loop.connect_accepted_socket(Client, accepted)
     reader.setblocking(False)
-    return server, f"http://127.0.0.1:{port}", client, reader
+    pool = UpstreamPool()
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", client, reader, pool
+    finally:
+        pool.close()
+        client.t.close()
+        reader.close()
+        server.close()
 
 
 async def read_all(reader: socket.socket, until: int, timeout: float = 10.0) -> bytes:
@@ -120,9 +130,12 @@ async def read_all(reader: socket.socket, until: int, timeout: float = 10.0) -> 
     return buf
 
 
-async def pumped(pool: UpstreamPool, url: str, client: Client):
-    """Send a request; pump its answer to ``client``; (response, pump, ended-future, firsts)."""
+async def pumped(pool: UpstreamPool, url: str, client: Client, before_s: float = 0.0):
+    """Send a request; ``before_s`` later, pump its answer to ``client``; (response, pump,
+    ended-future, firsts)."""
     resp = await pool.send(url, "/v1/chat/completions", b"{}", [])
+    if before_s:
+        await asyncio.sleep(before_s)
     ended = asyncio.get_running_loop().create_future()
     firsts: list[int] = []
     pump = resp.pump_to(client.t, client.flow, lambda: firsts.append(1),
@@ -139,7 +152,7 @@ def test_any_split_of_the_answer_reaches_the_client_as_the_engine_framed_it(seed
 
     def script(n):
         rnd = random.Random(seed * 100 + n)
-        pieces, i = [(HEAD, 0.005)], 0  # the head alone: the pump starts at a boundary
+        pieces, i = [(HEAD, 0.005)], 0
         while i < len(body):
             k = rnd.choice([1, 2, 5, 50, 300, 2000])
             pieces.append((body[i:i + k], 0.001 if rnd.random() < 0.3 else 0))
@@ -147,9 +160,7 @@ def test_any_split_of_the_answer_reaches_the_client_as_the_engine_framed_it(seed
         return pieces
 
     async def go():
-        server, url, client, reader = await setup(script)
-        pool = UpstreamPool()
-        try:
+        async with rig(script) as (url, client, reader, pool):
             for _ in range(2):  # the second on the same (pooled) connection
                 resp, pump, ended, firsts = await pumped(pool, url, client)
                 assert pump is not None
@@ -161,17 +172,12 @@ def test_any_split_of_the_answer_reaches_the_client_as_the_engine_framed_it(seed
                 resp.close()
                 assert pool.idle_connections() == 1
             assert Engine.requests >= 2
-        finally:
-            pool.close()
-            client.t.close()
-            reader.close()
-            server.close()
 
     Engine.requests = 0
     asyncio.run(go())
 
 
-def test_a_chunk_cut_across_reads_is_held_until_whole_unless_too_big():
+def test_a_chunk_cut_across_reads_is_held_until_whole():
     big = b"y" * 5000
     body = framed([b"data: a\n\n", big]) + b"0\r\n\r\n"
     cut = body.index(big) + 1000  # inside the big chunk
@@ -180,9 +186,7 @@ def test_a_chunk_cut_across_reads_is_held_until_whole_unless_too_big():
         return [(HEAD, 0.005), (body[:cut], 0.2), (body[cut:], 0)]
 
     async def go():
-        server, url, client, reader = await setup(script)
-        pool = UpstreamPool()
-        try:
+        async with rig(script) as (url, client, reader, pool):
             resp, pump, ended, _ = await pumped(pool, url, client)
             assert pump is not None
             await asyncio.sleep(0.1)  # the first piece is in; the second is 0.2 s away
@@ -191,14 +195,29 @@ def test_a_chunk_cut_across_reads_is_held_until_whole_unless_too_big():
             rest = await read_all(reader, len(body) - 5 - len(early))
             assert early + rest == body[:-5]
             return early
-        finally:
-            pool.close()
-            client.t.close()
-            reader.close()
-            server.close()
 
     early = asyncio.run(go())
     assert early == framed([b"data: a\n\n"])  # the whole first chunk, none of the cut one
+
+
+def test_a_chunk_bigger_than_the_hold_bound_goes_out_as_it_comes():
+    big = b"y" * 200_000  # over hold_max (64 KiB)
+    body = framed([b"data: a\n\n", big]) + b"0\r\n\r\n"
+    cut = body.index(big) + 100_000
+
+    async def go():
+        async with rig(lambda n: [(HEAD, 0.005), (body[:cut], 0.3), (body[cut:], 0)]) as (
+                url, client, reader, pool):
+            resp, pump, ended, _ = await pumped(pool, url, client)
+            await asyncio.sleep(0.15)
+            early = await read_all(reader, cut, timeout=0.1)
+            assert len(early) > len(framed([b"data: a\n\n"])) and pump.mid_chunk
+            await asyncio.wait_for(ended, 10)
+            assert early + await read_all(reader, len(body) - 5 - len(early)) == body[:-5]
+            assert not pump.mid_chunk  # the big chunk ended: at a boundary again
+            resp.close()
+
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize("tail, error", [
@@ -213,10 +232,7 @@ def test_a_broken_answer_ends_with_an_error_and_the_client_gets_whole_chunks_onl
         close_after = True
 
     async def go():
-        server, url, client, reader = await setup(lambda n: [(HEAD, 0.005), (good, 0.01), (tail, 0)],
-                                                  Closing)
-        pool = UpstreamPool()
-        try:
+        async with rig(lambda n: [(HEAD, 0.005), (good, 0.01), (tail, 0)], Closing) as (url, client, reader, pool):
             resp, pump, ended, _ = await pumped(pool, url, client)
             await asyncio.wait_for(ended, 10)
             assert isinstance(resp.error, UpstreamProtocolError) and error in str(resp.error)
@@ -224,11 +240,6 @@ def test_a_broken_answer_ends_with_an_error_and_the_client_gets_whole_chunks_onl
             assert await read_all(reader, len(good) + 1, timeout=0.3) == good
             resp.close()
             assert pool.idle_connections() == 0
-        finally:
-            pool.close()
-            client.t.close()
-            reader.close()
-            server.close()
 
     asyncio.run(go())
 
@@ -237,19 +248,12 @@ def test_bytes_after_the_end_keep_the_connection_out_of_the_pool():
     body = framed(events(2)) + b"0\r\n\r\nHTTP/1.1 200 OK\r\n"
 
     async def go():
-        server, url, client, reader = await setup(lambda n: [(HEAD, 0.005), (body, 0)])
-        pool = UpstreamPool()
-        try:
+        async with rig(lambda n: [(HEAD, 0.005), (body, 0)]) as (url, client, reader, pool):
             resp, pump, ended, _ = await pumped(pool, url, client)
             await asyncio.wait_for(ended, 10)
             assert resp.error is None and pump.extra > 0
             resp.close()
             assert pool.idle_connections() == 0
-        finally:
-            pool.close()
-            client.t.close()
-            reader.close()
-            server.close()
 
     asyncio.run(go())
 
@@ -263,10 +267,8 @@ def test_a_client_that_does_not_read_pauses_the_engine_and_reading_resumes_it():
         return [(HEAD, 0.005)] + [(framed([chunk]), 0) for _ in range(n)] + [(b"0\r\n\r\n", 0)]
 
     async def go():
-        server, url, client, reader = await setup(script)
-        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-        pool = UpstreamPool()
-        try:
+        async with rig(script) as (url, client, reader, pool):
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
             resp, pump, ended, _ = await pumped(pool, url, client)
             await asyncio.sleep(1.0)  # nobody reads
             assert not ended.done()
@@ -277,44 +279,29 @@ def test_a_client_that_does_not_read_pauses_the_engine_and_reading_resumes_it():
             await asyncio.wait_for(ended, 10)
             assert got == body[:-5]
             resp.close()
-        finally:
-            pool.close()
-            client.t.close()
-            reader.close()
-            server.close()
 
     Engine.writes_paused = 0
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("reader", ["pump", "aread"])
-def test_a_body_that_came_with_its_head_is_held_then_pumped_at_once_or_read_decoded(reader):
+@pytest.mark.parametrize("how", ["pump", "aread"])
+def test_a_body_that_came_with_its_head_is_held_then_pumped_at_once_or_read_decoded(how):
     chunks = events(64, 7)
     body = framed(chunks) + b"0\r\n\r\n"
 
     async def go():
-        server, url, client, reader_sock = await setup(lambda n: [(HEAD + body, 0)])
-        pool = UpstreamPool()
-        try:
+        async with rig(lambda n: [(HEAD + body, 0)]) as (url, client, reader, pool):
             for _ in range(2):
-                resp = await pool.send(url, "/v1/chat/completions", b"{}", [])
-                await asyncio.sleep(0.1)  # the whole answer is in before anyone reads it
-                if reader == "pump":
-                    ended = asyncio.get_running_loop().create_future()
-                    firsts: list[int] = []
-                    pump = resp.pump_to(client.t, client.flow, lambda: firsts.append(1),
-                                        lambda: ended.done() or ended.set_result(None))
+                if how == "pump":  # the whole answer is in before the relay asks for it
+                    resp, pump, ended, firsts = await pumped(pool, url, client, before_s=0.1)
                     assert pump is not None and ended.done() and firsts == [1]
-                    assert await read_all(reader_sock, len(body) - 5) == body[:-5]
+                    assert await read_all(reader, len(body) - 5) == body[:-5]
                     assert resp.tail() == b"".join(chunks)[-TAIL_BYTES:]
                 else:
+                    resp = await pool.send(url, "/v1/chat/completions", b"{}", [])
+                    await asyncio.sleep(0.1)
                     assert await resp.aread() == b"".join(chunks)
                 resp.close()
                 assert pool.idle_connections() == 1  # whole and clean: kept for the next
-        finally:
-            pool.close()
-            client.t.close()
-            reader_sock.close()
-            server.close()
 
     asyncio.run(go())

@@ -20,11 +20,12 @@ and answers every error (a body past the size limit is handed over the moment it
 passes it, not held). The answer is the route's: the same lookup (timed into the same
 metrics), payload and encoding, with uvicorn's default headers.
 
-Lifecycle: one instance per connection, made by uvicorn (:func:`protocol_class` returns
-the class for one app). It relies on these parts of uvicorn's ``HttpToolsProtocol``:
+Lifecycle: one instance per connection, made by uvicorn
+(:func:`kvevents.api.server_protocol.protocol_class` returns the class for one app, this
+one or its OpenAI subclass). It relies on these parts of uvicorn's ``HttpToolsProtocol``:
 the parser callbacks, ``on_response_complete``, ``shutdown`` and the per-request
 attributes ``parser``, ``url``, ``cycle``, ``expect_100_continue``, ``transport`` and
-``server_state``; :func:`protocol_class` returns None when the installed uvicorn lacks
+``server_state``; :func:`uvicorn_fits` is false when the installed uvicorn lacks
 one of the methods (``kvevents serve`` then runs uvicorn's own protocol and the ASGI
 fast path still answers), and the tests run against the installed uvicorn.
 """
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import logging
 
-from kvevents.api.conn_guard import ConnLimits, GuardedHttpProtocol, HttpToolsProtocol, guarded_class
+from kvevents.api.conn_guard import GuardedHttpProtocol, HttpToolsProtocol
 from kvevents.api.fastpath import common_lookup, encode_answer
 from kvevents.routing.offloop import lookup_now
 
@@ -46,24 +47,6 @@ _USED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_c
          "shutdown", "data_received")
 
 
-def protocol_class(app, limits: ConnLimits | None = None, *, lookup: bool = True) -> type | None:
-    """The protocol class uvicorn should make connections with (``Config(http=...)``)
-    for ``app`` (its ``state.aggregator``, with the body and prompt limits of its
-    settings, is read per request), with the connection limits ``limits``
-    (:mod:`~kvevents.api.conn_guard`; default: its defaults); ``lookup`` False: the limits
-    only, every lookup through the app. None when the installed uvicorn is not one this
-    was written against. (``kvevents serve`` takes its class from
-    :func:`kvevents.api.server_protocol.protocol_class`, which adds the OpenAI requests.)"""
-    if not lookup:
-        return guarded_class(app, limits or ConnLimits())
-    if not uvicorn_fits():
-        return None
-    cls = guarded_class(app, limits or ConnLimits(), LookupHttpProtocol)
-    if cls is not None:
-        cls.lookup_app = app
-    return cls
-
-
 def uvicorn_fits() -> bool:
     """Whether the installed uvicorn's protocol has what the protocols here rely on."""
     if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED):
@@ -74,7 +57,7 @@ def uvicorn_fits() -> bool:
 
 
 class LookupHttpProtocol(GuardedHttpProtocol):
-    """See the module docstring; made per app by :func:`protocol_class`. Its connections
+    """See the module docstring; made per app by ``protocol_class``. Its connections
     have :class:`~kvevents.api.conn_guard.GuardedHttpProtocol`'s timeouts and cap; a
     lookup held here marks its head and body done for them as uvicorn's cycle would."""
 

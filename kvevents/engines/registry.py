@@ -206,10 +206,6 @@ class EngineRegistry:
         with self._lock:
             return {n for n, s in self._engines.items() if not self.routable(s)}
 
-    def down(self, stats: Mapping[str, SourceStats]) -> set[str]:
-        """Engines with no connection to their publisher now."""
-        return {n for n in self.names() if (stats.get(n) or SourceStats()).connected <= 0}
-
     def status(self, st: SourceStats, now: float) -> str:
         return stream_status(st, now, self.stale_after_s)
 

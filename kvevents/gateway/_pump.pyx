@@ -285,6 +285,7 @@ cdef class ChunkPump:
         if term >= 0 or self.state >= TRAILER:  # the end marker: never written
             cut = term if term >= 0 else 0
             keep_rest = self.client is None  # (kept in hold mode, for raw())
+            self.mid_chunk = False  # every chunk before the end marker is whole
         elif self.client is not None and (self.mid_chunk or n - boundary > self.hold_max):
             cut = chunk_start if self.state in (SIZE, EXT, SIZE_LF) else n
             self.mid_chunk = self.state not in (SIZE, EXT, SIZE_LF)
@@ -292,12 +293,10 @@ cdef class ChunkPump:
             cut = boundary
         if keep_rest and cut < n:
             self.held = buf[cut:]
-            if (self.client is None and PyBytes_GET_SIZE(self.held) > self.hold_max
-                    and not self.paused and self.upstream is not None):
-                self.paused = True  # hold mode: one chunk bigger than the bound
-                self.upstream.pause_reading()
         if cut > 0:
             self._write(buf if cut == n else buf[:cut])
+        if self.client is None and self._out_size + PyBytes_GET_SIZE(self.held) > self.hold_max:
+            self._pause()  # hold mode: what is kept stays bounded
         if self.complete:
             self._end(None)
 
@@ -327,18 +326,20 @@ cdef class ChunkPump:
 
     cdef void _write(self, object data):
         client = self.client
-        if client is None:  # hold mode: kept, and the engine paused past hold_max
+        if client is None:  # hold mode: kept (bounded by the caller)
             self._out.append(data)
             self._out_size += len(data)
-            if self._out_size > self.hold_max and not self.paused and self.upstream is not None:
-                self.paused = True
-                self.upstream.pause_reading()
             return
         if client.is_closing():
             return  # the client left: its watcher closes the engine's stream
         client.write(data)
         flow = self.flow
-        if flow is not None and flow.write_paused and not self.paused and self.upstream is not None:
+        if flow is not None and flow.write_paused:
+            self._pause()
+
+    cdef void _pause(self):
+        """Stop reading from the engine (:meth:`resume` or :meth:`start` restarts it)."""
+        if not self.paused and self.upstream is not None:
             self.paused = True
             self.upstream.pause_reading()
 

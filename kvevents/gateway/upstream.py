@@ -159,7 +159,7 @@ class UpstreamResponse:
         the engine when the client's socket drains. None (nothing changed: use
         :meth:`relay_to`) unless the body is chunked and not read another way."""
         pump = self._pump
-        if pump is None or not pump.holding or self._sink is not None or self._closed:
+        if pump is None or not pump.holding or self._closed:  # (read another way: no pump)
             return None
         self._on_end = on_end
         pump.start(client, flow, on_first)
