@@ -30,8 +30,11 @@ this order, on the same server, after 200 requests of warm-up:
   the engines' own CPU, and the cores the server kept busy: about 1.0 with one worker
   means that worker was the limit);
 * ``added``: ``--latency-requests`` one-chunk non-streamed chats, one at a time,
-  alternating through the server and straight to an engine: p50/p99 of each, and
-  the differences.
+  alternating through the server and straight to an engine in blocks of 50: p50/p99 of
+  each, and the differences; twice: ``added_new``, every chat new (one of the 8 system
+  prompts and a user turn not seen before, as in the other phases), and ``added``, each
+  block the same 50 chats again (a conversation the gateway has seen: retries,
+  regenerations).
 
 Every answer is checked byte for byte against what the engine sent (mismatches are
 reported, and fail the run). Sides alternate in rotating order over ``--rounds``;
@@ -249,7 +252,8 @@ def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Pa
                           "engines_cpu_ms_per_request": sum(
                               pid_cpu(e["proc"].pid) - c for e, c in zip(engines, eng0)) / args.requests * 1e3,
                           "latency_p50_ms": median(got["latencies"]) * 1e3}
-        out["added"] = added_latency(port, engines[0]["port"], files["added"], args)
+        out["added_new"] = added_latency(port, engines[0]["port"], files["added_new"])
+        out["added"] = added_latency(port, engines[0]["port"], files["added"])
         if kind == "ours" and args.kv_events:
             # The engines' events reached the index (a run where they did not is not one
             # with KV events flowing).
@@ -268,17 +272,30 @@ def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Pa
         stop(proc)
 
 
-def added_latency(port: int, engine_port: int, body_file: Path, args: argparse.Namespace) -> dict:
+def added_latency(port: int, engine_port: int, blocks: list[Path]) -> dict:
     """One-chunk non-streamed chats one at a time, through the server and straight to the
-    engine in alternating blocks of 50 (one load-generator process per block)."""
+    engine in alternating blocks (a body file each, one load-generator process per block)."""
     via, direct = [], []
-    for _ in range(max(1, args.latency_requests // 50)):
-        via += load(port, body_file, 50, 1, 1)["latencies"]
-        direct += load(engine_port, body_file, 50, 1, 1)["latencies"]
+    for block in blocks:
+        via += load(port, block, 50, 1, 1)["latencies"]
+        direct += load(engine_port, block, 50, 1, 1)["latencies"]
     return {"via_p50_ms": median(via) * 1e3, "via_p99_ms": percentile(via, 99) * 1e3,
             "direct_p50_ms": median(direct) * 1e3, "direct_p99_ms": percentile(direct, 99) * 1e3,
             "added_p50_ms": (median(via) - median(direct)) * 1e3,
             "added_p99_ms": (percentile(via, 99) - percentile(direct, 99)) * 1e3}
+
+
+def latency_blocks(tmp: Path, tok_dir: Path, blocks: int) -> dict[str, list[Path]]:
+    """Body files of 50 one-chunk chats: ``added``, the same 50 in every block;
+    ``added_new``, 50 chats not seen before in each (the same 8 system prompts)."""
+    every = tmp / "added_all.jsonl"
+    bodies(every, tok_dir, 50 * (blocks + 1), 3, 0.0, False, 1)
+    lines = every.read_text().splitlines()
+    files = []
+    for k in range(blocks + 1):
+        files.append(tmp / f"added_{k}.jsonl")
+        files[-1].write_text("\n".join(lines[50 * k:50 * (k + 1)]) + "\n")
+    return {"added": [files[0]] * blocks, "added_new": files[1:]}
 
 
 def main() -> None:
@@ -309,10 +326,10 @@ def main() -> None:
         tmp = Path(tmp)
         from kvevents.demo.tiny_model import make_tiny_tokenizer
         tok_dir = make_tiny_tokenizer(tmp / "tok")
-        files = {"cost": tmp / "cost.jsonl", "rate": tmp / "rate.jsonl", "added": tmp / "added.jsonl"}
+        files: dict = {"cost": tmp / "cost.jsonl", "rate": tmp / "rate.jsonl"}
         tokens = bodies(files["cost"], tok_dir, args.prompts, 1, 2.0, True, args.chunks)
         bodies(files["rate"], tok_dir, args.prompts, 2, 0.0, True, args.chunks)
-        bodies(files["added"], tok_dir, 200, 3, 0.0, False, 1)
+        files.update(latency_blocks(tmp, tok_dir, max(1, args.latency_requests // 50)))
         engines = []
         for _ in range(2):
             e = {"port": free_port(), "zmq": free_port(), "replay": free_port()}
@@ -358,6 +375,8 @@ def report(args: argparse.Namespace, sides: list[str], results: dict, tokens: in
                      _mr([x["rate"]["server_cpu_ms_per_request"] for x in rs]),
                      _mr([x["rate"]["server_cpu_ms_per_request"] * x["rate"]["requests_per_s"] / 1e3
                           for x in rs]),
+                     _mr([x["added_new"]["added_p50_ms"] for x in rs]),
+                     _mr([x["added_new"]["added_p99_ms"] for x in rs]),
                      _mr([x["added"]["added_p50_ms"] for x in rs]),
                      _mr([x["added"]["added_p99_ms"] for x in rs]),
                      _mr([x["rate"]["loadgen_cpu_ms_per_request"] for x in rs]),
@@ -368,7 +387,8 @@ def report(args: argparse.Namespace, sides: list[str], results: dict, tokens: in
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; medians [ranges] of "
           f"{args.rounds} rounds")
     print_table(["server", "CPU ms/req (16 in flight, paced)", f"req/s ({args.concurrency} in flight)",
-                 "CPU ms/req (rate)", "server cores busy (rate)", "added p50 ms", "added p99 ms", "loadgen CPU ms/req",
+                 "CPU ms/req (rate)", "server cores busy (rate)", "added p50 ms (new)", "added p99 ms (new)",
+                 "added p50 ms (seen)", "added p99 ms (seen)", "loadgen CPU ms/req",
                  "engines CPU ms/req", "idle cores"], rows)
     ratios = {}
     for ours in (s for s in sides if s.startswith("ours:")):

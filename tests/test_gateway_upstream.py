@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from support import ServerThread, free_port
-from kvevents.gateway.upstream import (UpstreamConnectError, UpstreamPool, UpstreamProtocolError)
+from kvevents.gateway.pool import UpstreamPool
+from kvevents.gateway.upstream import UpstreamConnectError, UpstreamProtocolError
 
 BIG = 5 * (1 << 20)
 
@@ -207,3 +208,72 @@ def test_an_answer_delimited_by_the_connection_end():
             pool.close()
     run(go())
     srv.close()
+
+
+class SilentServer:
+    """Reads requests and never answers; records when each connection was closed."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.closed = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(10)
+            try:
+                while conn.recv(65536):
+                    pass
+            except OSError:
+                return
+            self.closed.set()  # the gateway closed it: the engine would abort the request
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("how", ["timeout", "abort"])
+def test_no_head_in_time_or_a_client_gone_ends_the_wait_and_closes_the_connection(how):
+    from kvevents.gateway.upstream import UpstreamAborted, UpstreamTimeout
+
+    srv = SilentServer()
+
+    async def go():
+        pool = UpstreamPool()
+        loop = asyncio.get_running_loop()
+        abort = loop.create_future()
+        loop.call_later(0.2, abort.set_result, None)
+        t0 = loop.time()
+        try:
+            with pytest.raises(UpstreamTimeout if how == "timeout" else UpstreamAborted):
+                await pool.send(srv.url, "/", b"x", [], timeout_s=0.2 if how == "timeout" else 30,
+                                abort=None if how == "timeout" else abort)
+            assert 0.15 < loop.time() - t0 < 2
+            assert pool.idle_connections() == 0
+            assert await loop.run_in_executor(None, srv.closed.wait, 5)
+        finally:
+            pool.close()
+    run(go())
+    srv.close()
+
+
+def test_a_body_that_came_with_its_head_is_taken_at_once(server):
+    async def go():
+        pool = UpstreamPool()
+        try:
+            r = await pool.send(server.url + "/p", "/v1/echo", b"abc", [])
+            await asyncio.sleep(0.05)  # (the body follows the head within a read or two)
+            body = r.body_now()
+            assert body is not None and b'"len":3' in body
+            await r.aclose()
+            assert pool.idle_connections() == 1  # read whole: kept
+        finally:
+            pool.close()
+    run(go())

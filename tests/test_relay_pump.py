@@ -10,7 +10,9 @@ client connection on the other side whose bytes are checked.
   boundary), unless it is bigger than ``hold_max``;
 * malformed framing, an engine that closes mid-answer, and bytes after the end: the answer
   ends with an error (or is not reused), and nothing malformed reaches the client;
-* a client that does not read pauses the engine; reading resumes it.
+* a client that does not read pauses the engine; reading resumes it;
+* ``finish`` and ``head``: the server's head goes out with the first body bytes and the
+  end with the last chunks (canonical, only at a clean end).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import pytest
 
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from kvevents.gateway.upstream import TAIL_BYTES, UpstreamPool, UpstreamProtocolError
+from kvevents.gateway.pool import UpstreamPool
+from kvevents.gateway.upstream import TAIL_BYTES, UpstreamProtocolError
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -130,16 +133,32 @@ async def read_all(reader: socket.socket, until: int, timeout: float = 10.0) -> 
     return buf
 
 
-async def pumped(pool: UpstreamPool, url: str, client: Client, before_s: float = 0.0):
-    """Send a request; ``before_s`` later, pump its answer to ``client``; (response, pump,
-    ended-future, firsts)."""
+class Writes:
+    """The client's transport, with every write the pump makes recorded."""
+
+    def __init__(self, transport) -> None:
+        self.t = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.t.write(data)
+
+    def is_closing(self) -> bool:
+        return self.t.is_closing()
+
+
+async def pumped(pool: UpstreamPool, url: str, client: Client, before_s: float = 0.0,
+                 head: bytes | None = None, finish: bool = False, to=None):
+    """Send a request; ``before_s`` later, pump its answer to ``client`` (through ``to``,
+    a wrapper of its transport, if given); (response, pump, ended-future, firsts)."""
     resp = await pool.send(url, "/v1/chat/completions", b"{}", [])
     if before_s:
         await asyncio.sleep(before_s)
     ended = asyncio.get_running_loop().create_future()
     firsts: list[int] = []
-    pump = resp.pump_to(client.t, client.flow, lambda: firsts.append(1),
-                        lambda: ended.done() or ended.set_result(None))
+    pump = resp.pump_to(to or client.t, client.flow, lambda: firsts.append(1),
+                        lambda: ended.done() or ended.set_result(None), head, finish)
     if pump is not None:
         client.on_writable = pump.resume
     return resp, pump, ended, firsts
@@ -303,5 +322,75 @@ def test_a_body_that_came_with_its_head_is_held_then_pumped_at_once_or_read_deco
                     assert await resp.aread() == b"".join(chunks)
                 resp.close()
                 assert pool.idle_connections() == 1  # whole and clean: kept for the next
+
+    asyncio.run(go())
+
+
+GATEWAY_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_finish_ends_the_answer_in_the_write_of_its_last_chunks(seed):
+    """``finish``: the pump writes the end (canonical, the engine's trailers dropped) with
+    the last chunks, and the head given to ``start`` goes out before any body byte."""
+    chunks = events(40, seed)
+    body = framed(chunks) + b"0\r\nx-trailer: 1\r\n\r\n"
+
+    def script(n):
+        rnd = random.Random(seed * 7 + n)
+        pieces, i = [(HEAD, 0.005)], 0
+        while i < len(body):
+            k = rnd.choice([3, 40, 700])
+            pieces.append((body[i:i + k], 0.001 if rnd.random() < 0.3 else 0))
+            i += k
+        return pieces
+
+    async def go():
+        async with rig(script) as (url, client, reader, pool):
+            to = Writes(client.t)
+            resp, pump, ended, _ = await pumped(pool, url, client, head=GATEWAY_HEAD, finish=True, to=to)
+            await asyncio.wait_for(ended, 10)
+            expected = GATEWAY_HEAD + framed(chunks) + b"0\r\n\r\n"
+            assert await read_all(reader, len(expected)) == expected
+            assert pump.wrote_end and resp.error is None
+            assert to.writes[0].startswith(GATEWAY_HEAD) and to.writes[-1].endswith(b"0\r\n\r\n")
+            assert b"".join(to.writes) == expected
+            resp.close()
+            assert pool.idle_connections() == 1
+
+    asyncio.run(go())
+
+
+def test_an_answer_held_whole_goes_out_with_its_head_and_end_in_one_write():
+    chunks = events(64, 3)
+    body = framed(chunks) + b"0\r\n\r\n"
+
+    async def go():
+        async with rig(lambda n: [(HEAD + body, 0)]) as (url, client, reader, pool):
+            to = Writes(client.t)
+            resp, pump, ended, _ = await pumped(pool, url, client, before_s=0.1, head=GATEWAY_HEAD,
+                                                finish=True, to=to)
+            assert ended.done() and pump.wrote_end
+            assert to.writes == [GATEWAY_HEAD + body]  # one write: head, chunks, end
+            assert await read_all(reader, len(GATEWAY_HEAD + body)) == GATEWAY_HEAD + body
+            resp.close()
+
+    asyncio.run(go())
+
+
+def test_finish_writes_no_end_for_an_answer_that_broke_off():
+    good = framed(events(3))
+
+    class Closing(Engine):
+        close_after = True
+
+    async def go():
+        async with rig(lambda n: [(HEAD, 0.005), (good, 0.01), (b"zz\r\n", 0)], Closing) as (
+                url, client, reader, pool):
+            resp, pump, ended, _ = await pumped(pool, url, client, head=GATEWAY_HEAD, finish=True)
+            await asyncio.wait_for(ended, 10)
+            assert resp.error is not None and not pump.wrote_end
+            assert await read_all(reader, len(GATEWAY_HEAD + good) + 1, timeout=0.3) == GATEWAY_HEAD + good
+            resp.close()
 
     asyncio.run(go())

@@ -87,6 +87,40 @@ def build_bytelevel(directory: Path, *, template_in_config: bool = False) -> Pat
     return directory
 
 
+# Llama 3's word split (its tokenizer.json's Split pattern).
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def build_split_bytelevel(directory: Path, pattern: str = LLAMA3_SPLIT, *,
+                          normalizer: bool = False) -> Path:
+    """A Llama 3 / Qwen style byte-level BPE: a regex ``Split`` then ``ByteLevel`` without
+    its own regex, a BOS post-processor and the chat template. ``normalizer``: add NFC
+    (a shape the word cache does not take)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if normalizer:
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return directory
+
+
 def build_metaspace(directory: Path) -> Path:
     """A sentencepiece-style BPE (Metaspace, ``prepend_scheme="first"``), no template:
     a tokenizer whose first piece is special, so it is encoded whole."""

@@ -43,7 +43,7 @@ from starlette.requests import Request
 from kvevents.api.lookup_protocol import LookupHttpProtocol
 from kvevents.gateway.errors import error_body
 from kvevents.gateway.prompt import CHAT, COMPLETIONS
-from kvevents.gateway.relay import DIRECT, GONE
+from kvevents.gateway.relay import BODY, DIRECT, GONE
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ class OpenAIHttpProtocol(LookupHttpProtocol):
         scope["raw_path"] = self.url
         scope["query_string"] = b""
         ex = self._ex = Exchange(self, parser.should_keep_alive())
-        scope["extensions"] = {DIRECT: (weakref.ref(self), weakref.ref(ex)), GONE: ex.watch}
+        scope["extensions"] = {DIRECT: (weakref.ref(self), weakref.ref(ex)), GONE: ex.watch,
+                               BODY: ex.take_body}
         self.cycle = ex
         task = self.loop.create_task(ex.run(gateway, scope, kind))
         task.add_done_callback(self.tasks.discard)
@@ -136,11 +137,18 @@ class Exchange:
     ASGI messages the gateway's handler and its responses use) over the protocol's
     transport, and the attributes of uvicorn's cycle that the protocol and the relay read
     (``response_started``, ``response_complete``, ``disconnected``, ``keep_alive``,
-    ``chunked_encoding``, ``message_event``)."""
+    ``chunked_encoding``, ``message_event``).
+
+    The head of an answer is kept until its body's first bytes, and goes out in the same
+    write. The relay may frame a streamed answer itself (``relay_frames``): it takes the
+    head (:meth:`take_head`) to write with the first chunks, and says when it wrote the
+    chunked terminator with the last ones (:meth:`end_written`)."""
 
     __slots__ = ("protocol", "keep_alive", "response_started", "response_complete",
                  "disconnected", "chunked_encoding", "reading", "body", "_head", "_waiters",
-                 "_body_taken", "_gone", "__weakref__")
+                 "_body_taken", "_gone", "_end_written", "__weakref__")
+
+    relay_frames = True
 
     def __init__(self, protocol: OpenAIHttpProtocol, keep_alive: bool) -> None:
         self.protocol = protocol
@@ -151,7 +159,8 @@ class Exchange:
         self.chunked_encoding: bool | None = None
         self.reading = True  # the body is still arriving
         self.body: list[bytes] = []
-        self._head: bytes | None = None  # a sized answer's head, written with its body
+        self._head: bytes | None = None  # the answer's head, written with its body
+        self._end_written = False  # the relay wrote the chunked terminator
         self._waiters: list[asyncio.Future] = []
         self._gone: list[asyncio.Future] = []  # watch()es waiting for the client to leave
         self._body_taken = False
@@ -191,6 +200,25 @@ class Exchange:
             self._gone = [f for f in self._gone if not f.done()]  # cancelled ones go
             self._gone.append(fut)
         return fut
+
+    def take_head(self) -> bytes | None:
+        """The answer's head, not written yet; the caller writes it (before any body)."""
+        head, self._head = self._head, None
+        return head
+
+    def end_written(self) -> None:
+        """The relay wrote ``0\\r\\n\\r\\n``: the last ``send`` writes no terminator."""
+        self._end_written = True
+
+    def take_body(self) -> bytes | None:
+        """The whole body if it has arrived and was not taken (then ``receive`` gives it
+        no more), without a turn of the event loop; else None (``receive`` it)."""
+        if self.reading or self.disconnected or self._body_taken:
+            return None
+        self._body_taken = True
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body = []
+        return body
 
     # -- ASGI ------------------------------------------------------------------------------------
 
@@ -234,11 +262,7 @@ class Exchange:
                 out.append(b"connection: close\r\n")
             out.append(b"\r\n")
             self.chunked_encoding = chunked
-            if chunked:  # a stream: the head now (the relay writes the body after it)
-                if not self.disconnected:
-                    transport.write(b"".join(out))
-            else:
-                self._head = b"".join(out)
+            self._head = b"".join(out)  # written with the body's first bytes
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -247,12 +271,12 @@ class Exchange:
         if not self.disconnected:
             if self.chunked_encoding:
                 out = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
-                if not more:
+                if not more and not self._end_written:
                     out += b"0\r\n\r\n"
             else:
                 out = body
-                if self._head is not None:
-                    out, self._head = self._head + body, None
+            if self._head is not None:
+                out, self._head = self._head + out, None
             if out:
                 transport.write(out)
         if not more:
@@ -290,10 +314,12 @@ class Exchange:
         if self.response_complete:
             return
         transport = self.protocol.transport
-        if not self.response_started and not self.disconnected and not transport.is_closing():
+        if (not self.response_started or self._head is not None) and not self.disconnected \
+                and not transport.is_closing():  # (a head kept back was never written)
             body = error_body(500, "the gateway failed on this request; see its log")
             transport.write(b"%scontent-type: application/json\r\ncontent-length: %d\r\n"
                             b"connection: close\r\n\r\n%s" % (_status_line(500), len(body), body))
+        self._head = None
         self.keep_alive = False
         self.response_started = True
         self._complete()

@@ -9,8 +9,9 @@ streamed request, for 64 chunks. Here one compiled call per read of the engine's
 walks the chunked framing, writes every complete chunk to the client as the engine
 framed it (one ``write`` per read, no copy when the read holds whole chunks), keeps the
 last ``tail_size`` bytes of the decoded body (for the usage chunk), and stops at the end
-marker, which is not written: the caller ends the client's answer itself (the same
-``0\\r\\n\\r\\n``, or an error event first when the engine broke off).
+marker, which is not written as the engine sent it: the caller ends the client's answer
+itself (the same ``0\\r\\n\\r\\n``, or an error event first when the engine broke off),
+or has the pump write ``0\\r\\n\\r\\n`` with the last chunks at a clean end (``finish``).
 
 The client is always left at a chunk boundary: a read that ends inside a chunk keeps
 that chunk's start here until the rest arrives, unless more than ``hold_max`` bytes are
@@ -51,6 +52,7 @@ cdef enum State:
     FINAL_LF = 8
     DONE = 9
 
+cdef bytes _END = b"0\r\n\r\n"  # the end of a chunked body, without trailers
 cdef Py_ssize_t _LINE_MAX = 4096  # a size line or the trailers past this: malformed
 
 
@@ -89,6 +91,8 @@ cdef class ChunkPump:
     cdef readonly bint mid_chunk
     cdef readonly bint complete
     cdef readonly bint ended
+    cdef bint finish            # the end marker goes out as 0 CRLF CRLF with the last chunks
+    cdef readonly bint wrote_end
     cdef readonly Py_ssize_t extra  # bytes after the end marker (the connection is not reusable)
     cdef readonly object error
 
@@ -111,12 +115,21 @@ cdef class ChunkPump:
         """No client yet: what would go to it is kept (see :meth:`start`)."""
         return self.client is None
 
-    def start(self, client, flow, on_first):
-        """Hold mode ends: ``client`` gets what was kept, in one write, and the rest as
-        it comes; ``on_first()`` now if the body has started."""
+    def start(self, client, flow, on_first, head=None, bint finish=False):
+        """Hold mode ends: ``client`` gets ``head`` (the response's head, if the caller
+        has not written it) and what was kept, in one write, and the rest as it comes;
+        ``on_first()`` now if the body has started. ``finish``: the pump ends the
+        client's answer itself at a clean end marker (``0\\r\\n\\r\\n`` in the write
+        of the last chunks; :attr:`wrote_end` then says so), saving the caller a write."""
         self.client, self.flow, self.on_first = client, flow, on_first
-        if self._out:
-            out, self._out, self._out_size = self._out, [], 0
+        self.finish = finish
+        out, self._out, self._out_size = self._out, [], 0
+        if head is not None:
+            out.insert(0, head)
+        if self.complete and finish:
+            out.append(_END)
+            self.wrote_end = True
+        if out:
             self._write(out[0] if len(out) == 1 else b"".join(out))
         if self.started:
             self._first()
@@ -293,7 +306,10 @@ cdef class ChunkPump:
             cut = boundary
         if keep_rest and cut < n:
             self.held = buf[cut:]
-        if cut > 0:
+        if self.complete and self.finish and self.client is not None:
+            self.wrote_end = True  # the last chunks and the end in one write
+            self._write(buf[:cut] + _END if cut > 0 else _END)
+        elif cut > 0:
             self._write(buf if cut == n else buf[:cut])
         if self.client is None and self._out_size + PyBytes_GET_SIZE(self.held) > self.hold_max:
             self._pause()  # hold mode: what is kept stays bounded

@@ -13,6 +13,8 @@ alone, and counted: routing must never be why a request fails.
 from __future__ import annotations
 
 import logging
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +24,7 @@ import msgspec
 from starlette.concurrency import run_in_threadpool
 
 from kvevents.gateway.errors import OpenAIError
-from kvevents.text import ChatTemplateError, TokenizerRegistry
+from kvevents.text import ChatTemplateError, TextTokenizer, TokenizerRegistry
 from kvevents.text.chat import ChatMessage
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class OpenAIRequest:
     stream: bool
     prompt: str | list[int] | None = None  # completions: the (first) prompt
     messages: list[dict[str, Any]] | None = None  # chat
+    messages_json: bytes = b""  # chat: the messages as the body wrote them
 
 
 class _Body(msgspec.Struct):
@@ -90,6 +93,7 @@ def _parse(kind: str, body: bytes) -> OpenAIRequest:
         if not messages:
             raise OpenAIError(400, "messages must be a non-empty array of objects", "messages")
         req.messages = messages
+        req.messages_json = bytes(doc.messages)
     else:
         req.prompt = _first_prompt(doc.prompt)
     return req
@@ -125,9 +129,17 @@ async def _off_loop_if_long(size: int, fn: Callable[[Any], Sequence[int]], arg: 
     return fn(arg) if size <= INLINE_BODY_BYTES else await run_in_threadpool(fn, arg)
 
 
+# A conversation sent again as it was (a retry, "regenerate", the same prompt sampled
+# again) skips the chat template and the encoder: its ids, by the messages' JSON text.
+# Bounded by the bytes held (text and ids); conversations over MAX_RECENT_BYTES / 64
+# are not kept.
+MAX_RECENT_BYTES = 32 << 20
+
+
 class PromptTokens:
     """Token ids of a request's prompt, locally when the model has a tokenizer, else
-    from an engine's ``/tokenize``."""
+    from an engine's ``/tokenize``. The event loop's thread only (the encoding itself
+    may run on a worker thread)."""
 
     def __init__(self, tokenizers: TokenizerRegistry, client: httpx.AsyncClient,
                  timeout: float = 5.0) -> None:
@@ -135,7 +147,10 @@ class PromptTokens:
         self.client = client
         self.timeout = timeout
         self.failures = 0  # prompts routed without ids
+        self.repeats = 0  # conversations whose ids came from the recent ones
         self._told: set[str] = set()
+        self._recent: OrderedDict[tuple[str, bytes], array] = OrderedDict()
+        self._recent_bytes = 0
 
     async def ids(self, req: OpenAIRequest, engine_url: str | None) -> Sequence[int] | None:
         """The ids, or None when they cannot be had (routed by load alone)."""
@@ -147,8 +162,7 @@ class PromptTokens:
                 # array('q'): the index and numpy read it as it is (no int object per token).
                 if req.kind == COMPLETIONS:
                     return await _off_loop_if_long(len(req.body), tok.prompt_ids, req.prompt)
-                messages = msgspec.convert(req.messages, list[ChatMessage])
-                return await _off_loop_if_long(len(req.body), tok.chat_ids, messages)
+                return await self._chat_ids(tok, req)
             except (msgspec.ValidationError, ChatTemplateError) as exc:
                 log.debug("local tokenization of a %s request failed (%s); asking the engine",
                           req.kind, exc)
@@ -156,6 +170,28 @@ class PromptTokens:
             self.failures += 1
             return None
         return await self._remote(req, engine_url)
+
+    async def _chat_ids(self, tok: TextTokenizer, req: OpenAIRequest) -> array:
+        """A chat's ids, from the recent conversations when its messages were seen as
+        they are (and its template renders the same every time: no ``strftime_now``)."""
+        key = (tok.model, req.messages_json)
+        recent = self._recent
+        if tok.repeatable_chat:
+            got = recent.get(key)
+            if got is not None:
+                recent.move_to_end(key)
+                self.repeats += 1
+                return array("q", got)  # a copy: callers may hand it on
+        messages = msgspec.convert(req.messages, list[ChatMessage])
+        ids = await _off_loop_if_long(len(req.body), tok.chat_ids, messages)
+        size = len(key[1]) + 8 * len(ids)
+        if tok.repeatable_chat and size <= MAX_RECENT_BYTES // 64 and key not in recent:
+            recent[key] = array("q", ids)
+            self._recent_bytes += size
+            while self._recent_bytes > MAX_RECENT_BYTES:
+                (_, text), old = recent.popitem(last=False)
+                self._recent_bytes -= len(text) + 8 * len(old)
+        return ids
 
     async def _remote(self, req: OpenAIRequest, engine_url: str) -> Sequence[int] | None:
         key = req.model or ""

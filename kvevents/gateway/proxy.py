@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import numpy as np
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
@@ -51,9 +52,10 @@ from kvevents.gateway.inflight import InflightPrompts
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.memory import MemoryTrim
 from kvevents.gateway.metrics import GatewayMetrics
+from kvevents.gateway.pool import UpstreamPool
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
-from kvevents.gateway.relay import Relay, client_gone
-from kvevents.gateway.upstream import (UpstreamConnectError, UpstreamError, UpstreamPool,
+from kvevents.gateway.relay import BODY, Relay, client_gone
+from kvevents.gateway.upstream import (UpstreamAborted, UpstreamConnectError, UpstreamError,
                                        UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router
 from kvevents.text import TokenizerRegistry
@@ -62,9 +64,12 @@ from kvevents.text.limits import text_chars
 log = logging.getLogger(__name__)
 
 PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
-# Request headers not forwarded: hop-by-hop ones, and those the upstream client sets.
-_DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
-         "te", "trailer", "proxy-authorization", "accept-encoding", "expect"}
+# Request headers not forwarded (ASGI names them in lower case): hop-by-hop ones, and
+# those the upstream client sets.
+_DROP = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding",
+                   b"upgrade", b"te", b"trailer", b"proxy-authorization", b"accept-encoding",
+                   b"expect"})
+_DROP_KEYED = _DROP | {b"authorization"}
 _SESSIONS = 100_000  # conversations remembered (least recently used forgotten first)
 
 
@@ -174,7 +179,9 @@ class Gateway:
         req: OpenAIRequest | None = None
         try:
             try:
-                body = await request.body()
+                body = _body_now(request)
+                if body is None:
+                    body = await request.body()
             except ClientDisconnect:  # left mid-upload (or timed out by the server)
                 raise OpenAIError(499, "client closed the request while sending its body") from None
             req = parse_request(kind, body)
@@ -224,8 +231,8 @@ class Gateway:
             raise OpenAIError(400, f"prompt has {len(ids)} tokens; the limit is "
                                    f"{self.max_prompt_tokens}", "messages" if req.kind == CHAT else "prompt")
         session = request.headers.get("x-session-id")
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP
-                   and not (self.api_key and k.lower() == "authorization")]
+        drop = _DROP_KEYED if self.api_key else _DROP  # (the gateway's key stays here)
+        headers = [(k, v) for k, v in request.scope["headers"] if k not in drop]
         tried: set[str] = set()
         arr = None if ids is None else np.asarray(ids, dtype=np.int64)
         while True:
@@ -234,7 +241,8 @@ class Gateway:
             predicted = expected_cached(decision, len(ids) if ids else 0)
             prefill = (max(0, (len(ids) if ids else 0) - predicted),
                        None if arr is None else self.flights.add(engine.name, arr))
-            self._announce(decision, model, ids, session)
+            # The feed's route item waits for the request to be on its way.
+            asyncio.get_running_loop().call_soon(self._announce, decision, model, ids, session)
             self.loads.started(engine.name, prefill[0])
             self.metrics.of(self.metrics.inflight, engine.name).inc()
             try:
@@ -308,32 +316,24 @@ class Gateway:
             "matched_tokens": decision.matched_tokens, "reason": decision.reason, "session": session})
 
     async def _send(self, request: Request, engine: EngineSpec, req: OpenAIRequest,
-                    headers: list[tuple[str, str]]) -> UpstreamResponse | UpstreamError:
+                    headers: list[tuple[bytes, bytes]]) -> UpstreamResponse | UpstreamError:
         """The engine's response (headers read, body not), or the exception that stopped
-        it before any answer. A client gone meanwhile cancels the send."""
+        it before any answer. A client gone meanwhile ends the wait (a 499) and closes
+        the engine's connection; awaited in this task (see :mod:`.pool`)."""
         assert engine.http is not None
-        send = asyncio.ensure_future(self.upstream.send(engine.http, PATHS[req.kind], req.body, headers))
         gone = client_gone(request.scope, request.receive)
         try:
-            done, _ = await asyncio.wait((send, gone), timeout=self.timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # this request's task cancelled: nobody reads the answer
-            _abandon(send)
-            raise
-        finally:
-            gone.cancel()
-        if send not in done:
-            _abandon(send)
-            if gone in done:
-                raise OpenAIError(499, "client closed the request")
-            return UpstreamTimeout(f"no answer within {self.timeout_s:g} s")
-        try:
-            return send.result()
+            return await self.upstream.send(engine.http, PATHS[req.kind], req.body, headers,
+                                            timeout_s=self.timeout_s, abort=gone)
+        except UpstreamAborted:
+            raise OpenAIError(499, "client closed the request") from None
         except UpstreamConnectError as exc:
             self.loads.unreachable(engine.name, str(exc))
             return exc
-        except UpstreamError as exc:  # a malformed or broken-off answer: the engine's, a 502
+        except UpstreamError as exc:  # no head in time, a malformed or broken-off answer
             return exc
+        finally:
+            gone.cancel()
 
     def _retry_reason(self, upstream: UpstreamResponse | UpstreamError, tried: set[str],
                       by_name: dict[str, EngineSpec]) -> str | None:
@@ -373,31 +373,43 @@ class Gateway:
 
     async def _whole(self, request: Request, upstream: UpstreamResponse, engine: str,
                      model: str | None, predicted: int, prefill: tuple, t0: float) -> Response:
-        """A non-streamed answer (or an engine's error), read whole while watching the client."""
-        read = asyncio.ensure_future(upstream.aread())
-        gone = client_gone(request.scope, request.receive)
+        """A non-streamed answer (or an engine's error), read whole while watching the
+        client; taken at once when it came with its head (the common case: no task)."""
+        body = upstream.body_now()
         error: OpenAIError | None = None
         try:
-            done, _ = await asyncio.wait((read, gone), timeout=self.timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if read not in done:
-                read.cancel()
-                error = (OpenAIError(499, "client closed the request") if gone in done else
-                         OpenAIError(504, f"engine {engine} gave no answer within {self.timeout_s:g} s"))
-            elif read.exception() is not None:
-                error = OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")
+            if body is None:
+                read = asyncio.ensure_future(upstream.aread())
+                gone = client_gone(request.scope, request.receive)
+                try:
+                    done, _ = await asyncio.wait((read, gone), timeout=self.timeout_s,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    gone.cancel()
+                if read not in done:
+                    read.cancel()
+                    error = (OpenAIError(499, "client closed the request") if gone in done else
+                             OpenAIError(504, f"engine {engine} gave no answer within {self.timeout_s:g} s"))
+                elif read.exception() is not None:
+                    error = OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")
+                else:
+                    body = read.result()
         finally:
-            gone.cancel()
             upstream.close()
             self._finished(engine, prefill)
         if error is not None:
             self._count(engine, model, error.status, t0, None)
             return error.response()
-        body = read.result()
+        assert body is not None
         status = upstream.status_code
-        cached = cached_tokens(body) if status < 400 else None
-        self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
-        return Response(body, status_code=status, headers=answer_headers(upstream, engine))
+
+        async def account() -> None:  # after the answer is written: not on the client's
+            # clock (async: Starlette would run a plain function on its thread pool)
+            cached = cached_tokens(body) if status < 400 else None
+            self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+
+        return Response(body, status_code=status, headers=answer_headers(upstream, engine),
+                        background=BackgroundTask(account))
 
     def _stream(self, upstream: UpstreamResponse, engine: str, model: str | None,
                 predicted: int, prefill: tuple, t0: float) -> Relay:
@@ -456,13 +468,8 @@ def prompt_chars(req: OpenAIRequest) -> int:
     return text_chars(req.messages)
 
 
-def _abandon(send: asyncio.Future) -> None:
-    """Cancel a send whose answer nobody will read; if it still returns one (it was
-    completing as the cancel came), that answer is closed, not leaked."""
-    send.cancel()
-    send.add_done_callback(_close_answer)
-
-
-def _close_answer(send: asyncio.Future) -> None:
-    if not send.cancelled() and send.exception() is None:
-        send.result().close()
+def _body_now(request: Request) -> bytes | None:
+    """The request's body if the server holds it whole already (kvevents' own protocol:
+    no async generator and turn of the loop to read it), else None."""
+    take = request.scope.get("extensions", {}).get(BODY)
+    return None if take is None else take()

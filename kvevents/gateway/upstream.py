@@ -10,28 +10,22 @@ by ``httptools`` (llhttp, compiled: the parser uvicorn uses), the request is wri
 one ``write``. ``httpx`` stays for the rest (``/metrics`` polls, ``/tokenize``,
 ``/v1/models``).
 
-Lifecycle: :class:`UpstreamPool` lives as long as the gateway (:meth:`UpstreamPool.close`
-at its end). :meth:`UpstreamPool.send` returns an :class:`UpstreamResponse` once the
-answer's headers arrived; its body is read with :meth:`~UpstreamResponse.aiter_raw` or
-:meth:`~UpstreamResponse.aread`, handed to a callback (:meth:`~UpstreamResponse.relay_to`),
-or, chunked, written on to the client's socket in compiled code
-(:meth:`~UpstreamResponse.pump_to`: the engine's transport is then read by a
-:class:`~kvevents.gateway._pump.ChunkPump` until the answer's end), and
-:meth:`~UpstreamResponse.aclose` must follow
-(always: it returns a connection whose answer ended cleanly to the pool, and closes any
-other). The event loop's thread only.
+Lifecycle: :class:`~kvevents.gateway.pool.UpstreamPool` (the connections, and sending a
+request on one) returns an :class:`UpstreamResponse` once the answer's head arrived; its
+body is read with :meth:`~UpstreamResponse.aiter_raw` or :meth:`~UpstreamResponse.aread`,
+taken whole if it is in already (:meth:`~UpstreamResponse.body_now`), handed to a
+callback (:meth:`~UpstreamResponse.relay_to`), or, chunked, written on to the client's
+socket in compiled code (:meth:`~UpstreamResponse.pump_to`: the engine's transport is
+then read by a :class:`~kvevents.gateway._pump.ChunkPump` until the answer's end), and
+:meth:`~UpstreamResponse.aclose` must follow (always: it returns a connection whose
+answer ended cleanly to the pool, and closes any other). The event loop's thread only.
 
-Failure: a connection that cannot be opened raises :class:`UpstreamConnectError`; an
-answer that is malformed, or a connection that closes before the answer's end, raises
-:class:`UpstreamProtocolError` (from ``send`` before the headers, from reading the body
-after). A pooled connection the engine closed while idle (its keep-alive timeout) is
-detected before reuse; if the engine closes it just as the request goes out (nothing
-answered), the request is sent once more on a new connection. Timeouts are the
-caller's (``asyncio.wait``/``asyncio.timeout`` around these calls); a cancelled ``send`` or
-read closes its connection, and a connection whose opening is cancelled is closed, never
-handed back (``asyncio.wait_for`` on Python 3.11 could return it when the cancel landed
-as the connect completed, and nobody owned it). :meth:`UpstreamResponse.close` (sync)
-closes the engine's stream at once and wakes a reader waiting for more.
+Failure: an answer that is malformed, or a connection that closes before the answer's
+end, is :class:`UpstreamProtocolError` (from the pool's ``send`` before the head, from
+reading the body after). Timeouts of the body are the caller's (``asyncio.wait`` or
+``asyncio.timeout`` around the reads); a cancelled read closes its connection.
+:meth:`UpstreamResponse.close` (sync) closes the engine's stream at once and wakes a
+reader waiting for more.
 
 Memory: at most :data:`_HIGH_WATER` bytes of an answer are buffered before reading from
 the engine pauses (a client that reads slowly pauses the engine, not the gateway's RSS).
@@ -41,17 +35,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ssl
 from collections.abc import AsyncIterator, Callable
-from urllib.parse import urlsplit
+from typing import Any
 
 import httptools
 
 from kvevents.gateway._pump import ChunkPump
-from kvevents.gateway.upstream_errors import (UpstreamClosed, UpstreamConnectError, UpstreamError,
-                                              UpstreamProtocolError, UpstreamTimeout)
+from kvevents.gateway.upstream_errors import (UpstreamAborted, UpstreamClosed, UpstreamConnectError,
+                                              UpstreamError, UpstreamProtocolError, UpstreamTimeout)
 
-__all__ = ["UpstreamClosed", "UpstreamConnectError", "UpstreamError", "UpstreamPool",
+__all__ = ["UpstreamAborted", "UpstreamClosed", "UpstreamConnectError", "UpstreamError",
            "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout"]
 
 # Bytes buffered from an engine before reading pauses. Small: an SSE chunk is ~100-300
@@ -149,20 +142,22 @@ class UpstreamResponse:
         self._wake()  # already ended: on_end now
 
     def pump_to(self, client: asyncio.Transport, flow, on_first: Callable[[], None],
-                on_end: Callable[[], None]) -> ChunkPump | None:
+                on_end: Callable[[], None], head: bytes | None = None,
+                finish: bool = False) -> ChunkPump | None:
         """Hand the body to its :class:`~kvevents.gateway._pump.ChunkPump`, which writes
         the engine's chunks to ``client`` as they are read, framed as the engine framed
         them, in compiled code (what it kept since the head first, in one write), pausing
         the engine while ``flow.write_paused``; ``on_first()`` once the body has started,
         ``on_end()`` once when the answer ends (see :attr:`error`); :meth:`tail` then
         holds its last :data:`TAIL_BYTES`. The pump's :meth:`~ChunkPump.resume` restarts
-        the engine when the client's socket drains. None (nothing changed: use
+        the engine when the client's socket drains. ``head`` and ``finish``: see
+        :meth:`ChunkPump.start`. None (nothing changed, nothing written: use
         :meth:`relay_to`) unless the body is chunked and not read another way."""
         pump = self._pump
         if pump is None or not pump.holding or self._closed:  # (read another way: no pump)
             return None
         self._on_end = on_end
-        pump.start(client, flow, on_first)
+        pump.start(client, flow, on_first, head, finish)
         self._wake()  # already ended: on_end now
         return pump
 
@@ -198,6 +193,17 @@ class UpstreamResponse:
         """The whole body."""
         return b"".join([chunk async for chunk in self.aiter_raw()])
 
+    def body_now(self) -> bytes | None:
+        """The whole body if the answer has ended cleanly and none of it was read yet,
+        without a turn of the event loop; else None (read it with :meth:`aread`)."""
+        self._unhold()
+        if not self._complete or self._closed or self._sink is not None:
+            return None
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        return body
+
     async def aclose(self) -> None:
         """Done with the answer (see :meth:`close`)."""
         self.close()
@@ -223,7 +229,7 @@ class UpstreamResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to one engine, one request at a time."""
 
-    def __init__(self, pool: UpstreamPool, key: tuple) -> None:
+    def __init__(self, pool: Any, key: tuple) -> None:  # (pool.UpstreamPool: its idle lists)
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -269,7 +275,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamProtocolError(f"malformed answer: {exc}"))
+            self.fail(UpstreamProtocolError(f"malformed answer: {exc}"))
             self.close()
 
     def _hold(self) -> bool:
@@ -307,7 +313,7 @@ class _Connection(asyncio.Protocol):
                 resp.headers and "transfer-encoding" not in resp.headers):
             resp._finish()  # an answer delimited by the connection's end (HTTP/1.0 style)
             return
-        self._fail(UpstreamProtocolError("the engine closed the connection before the end of "
+        self.fail(UpstreamProtocolError("the engine closed the connection before the end of "
                                          f"its answer{f': {exc}' if exc else ''}"))
 
     # -- httptools callbacks -----------------------------------------------------------------
@@ -335,7 +341,8 @@ class _Connection(asyncio.Protocol):
 
     # -- the pool's side -------------------------------------------------------------------------
 
-    def _fail(self, error: UpstreamError) -> None:
+    def fail(self, error: UpstreamError) -> None:
+        """The current answer ends with ``error`` (its head, if still awaited, too)."""
         if self.headers_ready is not None and not self.headers_ready.done():
             self.headers_ready.set_exception(error)
         if self.response is not None:
@@ -386,109 +393,3 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
         self.closed = True
-
-
-class UpstreamPool:
-    """Keep-alive connections per engine (see the module docstring)."""
-
-    def __init__(self, connect_timeout_s: float = 5.0, max_idle_per_engine: int = 256) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.max_idle = max_idle_per_engine
-        self._idle: collections.defaultdict[tuple, collections.deque[_Connection]] = \
-            collections.defaultdict(collections.deque)
-        self._targets: dict[str, tuple[tuple, bytes, bytes]] = {}
-        self._ssl: ssl.SSLContext | None = None
-
-    def _target(self, base: str) -> tuple[tuple, bytes, bytes]:
-        """(connection key, path prefix, Host header) of an engine URL, parsed once."""
-        got = self._targets.get(base)
-        if got is None:
-            parts = urlsplit(base)
-            tls = parts.scheme == "https"
-            port = parts.port or (443 if tls else 80)
-            host = parts.hostname or ""
-            netloc = f"[{host}]" if ":" in host else host
-            got = ((host, port, tls), parts.path.rstrip("/").encode(), f"{netloc}:{port}".encode())
-            self._targets[base] = got
-        return got
-
-    async def _connect(self, key: tuple) -> _Connection:
-        host, port, tls = key
-        if tls and self._ssl is None:
-            self._ssl = ssl.create_default_context()
-        loop = asyncio.get_running_loop()
-        made: list[_Connection] = []
-
-        def factory() -> _Connection:
-            made.append(_Connection(self, key))
-            return made[-1]
-
-        try:
-            # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands as the
-            # connect completes and return the connection to a caller already gone.
-            async with asyncio.timeout(self.connect_timeout_s):
-                await loop.create_connection(factory, host, port, ssl=self._ssl if tls else None)
-        except BaseException as exc:
-            for conn in made:  # opened, but nobody will use it
-                conn.close()
-            if isinstance(exc, (OSError, TimeoutError)):
-                raise UpstreamConnectError(f"cannot connect to {host}:{port}: "
-                                           f"{exc or type(exc).__name__}") from None
-            raise
-        return made[-1]
-
-    def _pooled(self, key: tuple) -> _Connection | None:
-        idle = self._idle.get(key)
-        while idle:
-            conn = idle.pop()  # the most recent: least likely timed out by the engine
-            if conn.usable():
-                return conn
-        return None
-
-    async def send(self, base: str, path: str, body: bytes,
-                   headers: list[tuple[str, str]]) -> UpstreamResponse:
-        """POST ``body`` to ``base + path``; the answer once its headers arrived."""
-        key, prefix, host = self._target(base)
-        head = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nhost: ", host,
-                b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
-        for name, value in headers:
-            head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
-        request = b"".join(head) + b"\r\n" + body
-        for attempt in (0, 1):
-            conn = self._pooled(key) if attempt == 0 else None
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(key)
-            resp = conn.start(request)
-            try:
-                assert conn.headers_ready is not None
-                await conn.headers_ready
-                return resp
-            except UpstreamProtocolError:
-                conn.close()
-                # The engine closed an idle connection as the request went out: nothing
-                # was answered, so nothing was done; once more on a fresh connection.
-                if reused and not conn.got_bytes:
-                    continue
-                raise
-            except BaseException:  # cancelled (client gone, timeout): the answer is moot
-                conn.close()
-                raise
-        raise AssertionError("unreachable")
-
-    def forget(self, keep: set[str]) -> None:
-        """Close the idle connections of engines whose URL is not in ``keep``."""
-        keys = {self._target(base)[0] for base in keep}
-        for key in [k for k in self._idle if k not in keys]:
-            for conn in self._idle.pop(key):
-                conn.close()
-        self._targets = {b: t for b, t in self._targets.items() if b in keep}
-
-    def idle_connections(self) -> int:
-        return sum(len(d) for d in self._idle.values())
-
-    def close(self) -> None:
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.close()
-        self._idle.clear()

@@ -3,8 +3,8 @@ these; importable from there too)."""
 
 from __future__ import annotations
 
-__all__ = ["UpstreamClosed", "UpstreamConnectError", "UpstreamError", "UpstreamProtocolError",
-           "UpstreamTimeout"]
+__all__ = ["UpstreamAborted", "UpstreamClosed", "UpstreamConnectError", "UpstreamError",
+           "UpstreamProtocolError", "UpstreamTimeout"]
 
 
 class UpstreamError(Exception):
@@ -25,3 +25,7 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamClosed(UpstreamError):
     """The answer was closed by the gateway (its client left) before its end."""
+
+
+class UpstreamAborted(UpstreamError):
+    """The caller stopped waiting for the answer's head (its client left)."""

@@ -82,6 +82,8 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
         self._variables = dict(special_tokens)
+        # The one input besides the messages a template can read: the date.
+        self.timeless = "strftime_now" not in source
 
     def render(self, messages: list[ChatMessage]) -> str:
         """The conversation's prompt text, generation prompt added."""

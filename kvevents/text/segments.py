@@ -13,14 +13,17 @@ Why it pays: chat templates end every turn with a special token, so a conversati
 that grows by a turn re-uses the cached ids of every earlier turn and encodes only the
 new text. Identical prompts hit the cache whole.
 
-How new text is encoded: every new piece of a call in one ``encode_batch_fast`` (the
-library's batch call that computes no character offsets, which we never read: about 30%
-less CPU than ``encode`` for a 280-token turn), which also releases the GIL while the
-Rust code runs, so a long prompt encoded on a worker thread leaves the event loop
-serving (``encode`` holds the GIL for its whole run: 190 ms of stall for a 180 KB text;
-``benchmarks/bench_tokenize.py`` measures both). The library spreads a batch over its
-own thread pool unless ``TOKENIZERS_PARALLELISM`` says no; ``kvevents serve`` says no
-(its requests already use every core), so the call runs on the caller's thread.
+How new text is encoded: an ASCII piece up to 16 KiB of a regex-split byte-level BPE
+tokenizer from the word cache of :mod:`kvevents.text.words` (a tenth of the library's
+cost for a new user turn; exact, checked at load). Every other new piece of a call goes
+to the library in one ``encode_batch_fast`` (the batch call that computes no character
+offsets, which we never read: about 30% less CPU than ``encode`` for a 280-token turn),
+which also releases the GIL while the Rust code runs, so a long prompt encoded on a
+worker thread leaves the event loop serving (``encode`` holds the GIL for its whole
+run: 190 ms of stall for a 180 KB text; ``benchmarks/bench_tokenize.py`` measures
+both). The library spreads a batch over its own thread pool unless
+``TOKENIZERS_PARALLELISM`` says no; ``kvevents serve`` says no (its requests already
+use every core), so the call runs on the caller's thread.
 
 Memory: the LRU holds at most ``max_tokens`` ids (8 bytes each, ``array('q')``) and
 evicts least recently used pieces beyond that. Thread-safe (one lock around the LRU;
@@ -34,6 +37,8 @@ import threading
 from array import array
 from collections import OrderedDict
 from typing import Any
+
+from kvevents.text.words import WordEncoder
 
 
 def batch_encoder(tokenizer: Any) -> Any:
@@ -52,8 +57,9 @@ class SegmentEncoder:
     """
 
     def __init__(self, tokenizer: Any, split_tokens: list[str], max_tokens: int = 2_000_000,
-                 max_piece_chars: int = 1 << 20) -> None:
+                 max_piece_chars: int = 1 << 20, words: WordEncoder | None = None) -> None:
         self._tok = tokenizer
+        self._words = words  # new ASCII pieces from a word cache (see words.py), if it applies
         self._max_tokens = max_tokens
         self._max_piece_chars = max_piece_chars  # longer pieces are encoded, not cached
         self._encode_many = batch_encoder(tokenizer)
@@ -102,10 +108,22 @@ class SegmentEncoder:
             self.hits += len(parts) - len(missing)
             self.misses += len(missing)
         if missing:
-            encoded = self._encode_many([parts[i] for i in missing])  # GIL released
-            fresh = [(parts[i], array("q", enc.ids)) for i, enc in zip(missing, encoded)]
-            for (_, ids), i in zip(fresh, missing):
-                found[i] = ids
+            fresh = []
+            if self._words is not None:  # a loop per new piece (a turn), not per word
+                rest = []
+                for i in missing:
+                    ids = self._words.encode(parts[i])
+                    if ids is None:
+                        rest.append(i)
+                    else:
+                        found[i] = ids
+                        fresh.append((parts[i], ids))
+                missing = rest
+            if missing:
+                encoded = self._encode_many([parts[i] for i in missing])  # GIL released
+                for i, enc in zip(missing, encoded):
+                    found[i] = ids = array("q", enc.ids)
+                    fresh.append((parts[i], ids))
             self._remember(fresh)
         if len(found) == 1:  # a copy: the cached array must not be changed by callers
             return array("q", found[0])  # type: ignore[arg-type]
@@ -135,6 +153,10 @@ class SegmentEncoder:
         return [i for enc in parts for i in enc.ids] == whole
 
     def stats(self) -> dict[str, int]:
+        """Pieces and ids held, piece hits and misses, and of the misses how many were
+        encoded from the word cache (``word_pieces``; ``words``: words it holds)."""
+        words = self._words
         with self._lock:
             return {"pieces": len(self._lru), "tokens": self._held, "hits": self.hits,
-                    "misses": self.misses}
+                    "misses": self.misses, "word_pieces": words.pieces if words else 0,
+                    "words": words.words if words else 0}

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from kvevents.text.chat import ChatMessage, ChatTemplate, ChatTemplateError
-from kvevents.text.segments import SegmentEncoder
+from kvevents.text.segments import SegmentEncoder, batch_encoder
+from kvevents.text.words import WordEncoder, split_pattern
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
@@ -113,15 +114,29 @@ class TextTokenizer:
         except ChatTemplateError as exc:
             raise ValueError(f"{self.directory}: {exc}") from None
 
-        split = [t.content for t in tok.get_added_tokens_decoder().values()
+        added = tok.get_added_tokens_decoder()
+        split = [t.content for t in added.values()
                  if t.special and not t.normalized and not (t.lstrip or t.rstrip or t.single_word)]
         if _first_piece_special(raw):
             split = []
-        self._pieces = SegmentEncoder(tok, split, max_tokens=cache_tokens)
+        words = self._word_encoder(raw, tok, added, split)
+        self._pieces = SegmentEncoder(tok, split, max_tokens=cache_tokens, words=words)
         if split and not self._pieces.self_check(self._probe(split)):
             self._pieces.disable_pieces()
         self._prefix, self._suffix = self._post_processor_affixes()
         self._whole = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+
+    @staticmethod
+    def _word_encoder(raw: dict, tok: Any, added: dict, split: list[str]) -> WordEncoder | None:
+        """The word cache for new ASCII text, when this tokenizer's shape allows it and it
+        gives the library's ids on the probes (see words.py)."""
+        pattern = split_pattern(raw)
+        if pattern is None:
+            return None
+        exact = {t.content: (i, not (t.lstrip or t.rstrip or t.single_word)) for i, t in added.items()}
+        words = WordEncoder(pattern, batch_encoder(tok), exact)
+        ok = words.self_check(lambda text: tok.encode(text, add_special_tokens=False).ids, split)
+        return words if ok else None
 
     @staticmethod
     def _probe(split: list[str]) -> str:
@@ -143,6 +158,12 @@ class TextTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self.chat is not None
+
+    @property
+    def repeatable_chat(self) -> bool:
+        """Whether the same messages always render the same text (the template does not
+        read the clock), so a conversation's ids may be kept by its messages."""
+        return self.chat is not None and self.chat.timeless
 
     @property
     def piecewise(self) -> bool:
