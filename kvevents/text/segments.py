@@ -14,8 +14,8 @@ that grows by a turn re-uses the cached ids of every earlier turn and encodes on
 new text. Identical prompts hit the cache whole.
 
 How new text is encoded: an ASCII piece up to 16 KiB of a regex-split byte-level BPE
-tokenizer from the word cache of :mod:`kvevents.text.words` (a tenth of the library's
-cost for a new user turn; exact, checked at load). Every other new piece of a call goes
+tokenizer from the word cache of :mod:`kvevents.text.words` (a fifth of the library's
+cost for a new user turn whose words are known; exact, checked at load). Every other new piece of a call goes
 to the library in one ``encode_batch_fast`` (the batch call that computes no character
 offsets, which we never read: about 30% less CPU than ``encode`` for a 280-token turn),
 which also releases the GIL while the Rust code runs, so a long prompt encoded on a
