@@ -41,6 +41,17 @@ def events(n: int, seed: int = 1) -> list[bytes]:
     return [b"data: {\"i\": %d, \"t\": \"%s\"}\n\n" % (i, b"x" * rnd.randint(0, 400)) for i in range(n)]
 
 
+def split_writes(body: bytes, rnd: random.Random, sizes: list[int]) -> list[tuple[bytes, float]]:
+    """The engine's script for ``body``: the head, then the body in pieces of random
+    ``sizes``, some of them after a pause."""
+    pieces, i = [(HEAD, 0.005)], 0
+    while i < len(body):
+        k = rnd.choice(sizes)
+        pieces.append((body[i:i + k], 0.001 if rnd.random() < 0.3 else 0))
+        i += k
+    return pieces
+
+
 class Engine(asyncio.Protocol):
     """Answers each request with ``script(n)``: a list of (bytes, delay_s) to write."""
 
@@ -170,13 +181,7 @@ def test_any_split_of_the_answer_reaches_the_client_as_the_engine_framed_it(seed
     body = framed(chunks) + b"0\r\n\r\n"
 
     def script(n):
-        rnd = random.Random(seed * 100 + n)
-        pieces, i = [(HEAD, 0.005)], 0
-        while i < len(body):
-            k = rnd.choice([1, 2, 5, 50, 300, 2000])
-            pieces.append((body[i:i + k], 0.001 if rnd.random() < 0.3 else 0))
-            i += k
-        return pieces
+        return split_writes(body, random.Random(seed * 100 + n), [1, 2, 5, 50, 300, 2000])
 
     async def go():
         async with rig(script) as (url, client, reader, pool):
@@ -337,13 +342,7 @@ def test_finish_ends_the_answer_in_the_write_of_its_last_chunks(seed):
     body = framed(chunks) + b"0\r\nx-trailer: 1\r\n\r\n"
 
     def script(n):
-        rnd = random.Random(seed * 7 + n)
-        pieces, i = [(HEAD, 0.005)], 0
-        while i < len(body):
-            k = rnd.choice([3, 40, 700])
-            pieces.append((body[i:i + k], 0.001 if rnd.random() < 0.3 else 0))
-            i += k
-        return pieces
+        return split_writes(body, random.Random(seed * 7 + n), [3, 40, 700])
 
     async def go():
         async with rig(script) as (url, client, reader, pool):

@@ -9,8 +9,7 @@ import random
 import msgspec
 import pytest
 
-from text_tokenizer import (CORPUS, build_bytelevel, build_split_bytelevel,
-                            require_transformers)
+from text_tokenizer import CORPUS, LLAMA3_SPLIT, build_bytelevel, require_transformers
 from kvevents.text import TextTokenizer
 from kvevents.text.chat import ChatMessage
 from kvevents.text.words import WordEncoder, ascii_pattern
@@ -38,7 +37,7 @@ def pair(request, tmp_path_factory):
     from transformers import AutoTokenizer
 
     directory = tmp_path_factory.mktemp(request.param)
-    path = build_bytelevel(directory) if request.param == "gpt2-bytelevel" else build_split_bytelevel(directory)
+    path = build_bytelevel(directory, split=None if request.param == "gpt2-bytelevel" else LLAMA3_SPLIT)
     return TextTokenizer("m", path), AutoTokenizer.from_pretrained(path)
 
 
@@ -105,7 +104,7 @@ def test_a_normalizer_rules_the_word_path_out(tmp_path):
     require_transformers()
     from transformers import AutoTokenizer
 
-    path = build_split_bytelevel(tmp_path / "nfc", normalizer=True)
+    path = build_bytelevel(tmp_path / "nfc", split=LLAMA3_SPLIT, nfc=True)
     ours, auto = TextTokenizer("m", path), AutoTokenizer.from_pretrained(path)
     assert ours._pieces._words is None
     for text in _texts(10, seed=5):

@@ -55,17 +55,33 @@ def require_transformers():
     return transformers
 
 
-def build_bytelevel(directory: Path, *, template_in_config: bool = False) -> Path:
+# Llama 3's word split (its tokenizer.json's Split pattern).
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def build_bytelevel(directory: Path, *, template_in_config: bool = False,
+                    split: str | None = None, nfc: bool = False) -> Path:
     """A byte-level BPE (GPT-2 style) with a BOS post-processor and a chat template.
 
     ``template_in_config``: move the template from ``chat_template.jinja`` into
-    ``tokenizer_config.json`` (the older layout).
+    ``tokenizer_config.json`` (the older layout). ``split``: a regex ``Split`` then
+    ``ByteLevel`` without its own regex (the Llama 3 / Qwen shape; ``LLAMA3_SPLIT``).
+    ``nfc``: an NFC normalizer (a shape the word cache does not take).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -84,40 +100,6 @@ def build_bytelevel(directory: Path, *, template_in_config: bool = False) -> Pat
         config["chat_template"] = jinja.read_text() if jinja.exists() else CHAT_TEMPLATE
         config_path.write_text(json.dumps(config))
         jinja.unlink(missing_ok=True)
-    return directory
-
-
-# Llama 3's word split (its tokenizer.json's Split pattern).
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def build_split_bytelevel(directory: Path, pattern: str = LLAMA3_SPLIT, *,
-                          normalizer: bool = False) -> Path:
-    """A Llama 3 / Qwen style byte-level BPE: a regex ``Split`` then ``ByteLevel`` without
-    its own regex, a BOS post-processor and the chat template. ``normalizer``: add NFC
-    (a shape the word cache does not take)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if normalizer:
-        tok.normalizer = normalizers.NFC()
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([CORPUS] * 20, trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
     return directory
 
 

@@ -230,10 +230,8 @@ class Exchange:
     async def receive(self) -> dict:
         while self.reading and not self.disconnected:
             await self._wait()
-        if not self._body_taken and not self.disconnected:
-            self._body_taken = True
-            body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-            self.body = []
+        body = self.take_body()
+        if body is not None:
             return {"type": "http.request", "body": body, "more_body": False}
         while not self.disconnected and not self.response_complete:
             await self._wait()

@@ -15,15 +15,15 @@ new text. Identical prompts hit the cache whole.
 
 How new text is encoded: an ASCII piece up to 16 KiB of a regex-split byte-level BPE
 tokenizer from the word cache of :mod:`kvevents.text.words` (a fifth of the library's
-cost for a new user turn whose words are known; exact, checked at load). Every other new piece of a call goes
-to the library in one ``encode_batch_fast`` (the batch call that computes no character
-offsets, which we never read: about 30% less CPU than ``encode`` for a 280-token turn),
-which also releases the GIL while the Rust code runs, so a long prompt encoded on a
-worker thread leaves the event loop serving (``encode`` holds the GIL for its whole
-run: 190 ms of stall for a 180 KB text; ``benchmarks/bench_tokenize.py`` measures
-both). The library spreads a batch over its own thread pool unless
-``TOKENIZERS_PARALLELISM`` says no; ``kvevents serve`` says no (its requests already
-use every core), so the call runs on the caller's thread.
+cost for a new user turn whose words are known; exact, checked at load). Every other
+new piece of a call goes to the library in one ``encode_batch_fast`` (the batch call
+that computes no character offsets, which we never read: about 30% less CPU than
+``encode`` for a 280-token turn), which also releases the GIL while the Rust code runs,
+so a long prompt encoded on a worker thread leaves the event loop serving (``encode``
+holds the GIL for its whole run: 190 ms of stall for a 180 KB text;
+``benchmarks/bench_tokenize.py`` measures both). The library spreads a batch over its
+own thread pool unless ``TOKENIZERS_PARALLELISM`` says no; ``kvevents serve`` says no
+(its requests already use every core), so the call runs on the caller's thread.
 
 Memory: the LRU holds at most ``max_tokens`` ids (8 bytes each, ``array('q')``) and
 evicts least recently used pieces beyond that. Thread-safe (one lock around the LRU;
