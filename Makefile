@@ -30,7 +30,7 @@ DOCS_STAMP := $(VENV)/.docs-stamp
 .PHONY: test demo install vllm system-deps test-data bench clean docs docs-build gpu-wheels gpu-check
 
 # The compiled index core is built by the editable install: rebuild when its source changes.
-$(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi kvevents/index/_wire.pxi kvevents/ingest/_zmqrecv.pyx kvevents/ingest/_lane.pxi kvevents/ingest/lane_abi.pxd kvevents/index/_sink.pxi kvevents/api/_fastbody.pyx kvevents/gateway/_pump.pyx
+$(STAMP): pyproject.toml setup.py kvevents/index/_core.pyx kvevents/index/_tables.pxi kvevents/index/_wire.pxi kvevents/ingest/_zmqrecv.pyx kvevents/ingest/_lane.pxi kvevents/ingest/lane_abi.pxd kvevents/index/_sink.pxi kvevents/api/_fastbody.pyx kvevents/gateway/_pump.pyx kvevents/text/_split.pyx
 	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "installing into $(VENV): $(TORCH) (CPU build), then kvevents (editable, compiling its index core) with the dev and connector extras, then SGLang's publisher for its tests"
 	$(BIN)/python -m pip install -q --upgrade pip || echo "note: could not upgrade pip; continuing"

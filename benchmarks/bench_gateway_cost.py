@@ -4,9 +4,8 @@ engines (benchmarks/fake_openai.py).
 
 Two fake engines (one process each: raw asyncio + httptools on uvloop; vLLM-shaped SSE,
 ``--chunks`` chunks of 3 tokens, ``/metrics`` gauges, a ZeroMQ publisher with replay
-that publishes nothing, so the index stays empty and every decision is by load; with
-``--kv-events`` each engine publishes its prompts' blocks, so the index fills and every
-worker's ingest runs; ``POST /v1/chat/completions/render`` answered as vLLM 0.32 does,
+that publishes nothing, so the index stays empty and every decision is by load;
+``POST /v1/chat/completions/render`` answered as vLLM 0.32 does,
 the chat tokenized with the same tokenizer) and, per side and round, a fresh router in
 its own session: ``kvevents serve --workers W`` (``--tokenizer`` the demo's tiny
 tokenizer: every chat is rendered and tokenized), or vllm-router 0.1.17 (the ``bench``
@@ -35,6 +34,15 @@ this order, on the same server, after 200 requests of warm-up:
   prompts and a user turn not seen before, as in the other phases), and ``added``, each
   block the same 50 chats again (a conversation the gateway has seen: retries,
   regenerations).
+
+``--kv-events`` measures what the engines' events cost: the engines tokenize every chat
+and hash its blocks (a prefix-caching engine's work whether or not it publishes), and a
+second pair of engines does the same and publishes the blocks (``BlockStored``, and
+``BlockRemoved`` past its capacity), so the index fills and every worker's ingest runs;
+each of our sides runs against both pairs (``ours, W worker(s), KV events``: the
+publishing pair; a run whose server applied no block event fails), vllm-router against
+the quiet pair, and the ratio of our CPU per request with events to without is
+reported.
 
 Every answer is checked byte for byte against what the engine sent (mismatches are
 reported, and fail the run). Sides alternate in rotating order over ``--rounds``;
@@ -226,10 +234,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Path,
              args: argparse.Namespace) -> dict:
-    """One fresh router (``ours:W`` or ``vllm-router:POLICY``) through every phase."""
+    """One fresh router (``ours:W``, ``ours+kv:W`` or ``vllm-router:POLICY``) through every
+    phase, against ``engines``."""
     kind, arg = side.split(":")
     metrics_port = None
-    if kind == "ours":
+    if kind.startswith("ours"):
         proc, port = start_server(int(arg), engines, tok_dir, log)
     else:
         proc, port, metrics_port = start_vllm_router(arg, engines, log)
@@ -254,7 +263,7 @@ def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Pa
                           "latency_p50_ms": median(got["latencies"]) * 1e3}
         out["added_new"] = added_latency(port, engines[0]["port"], files["added_new"])
         out["added"] = added_latency(port, engines[0]["port"], files["added"])
-        if kind == "ours" and args.kv_events:
+        if kind == "ours+kv":
             # The engines' events reached the index (a run where they did not is not one
             # with KV events flowing).
             out["block_events_applied"] = block_events_applied(port)
@@ -310,11 +319,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measured")
     ap.add_argument("--kv-events", action="store_true",
-                    help="the engines publish each prompt's blocks (the index fills, ingest runs)")
+                    help="ours also against engines that publish each prompt's blocks (the "
+                         "index fills, ingest runs), beside the same engines not publishing")
     ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--out", default="benchmarks/results/gateway_cost.json")
     args = ap.parse_args()
     sides = [f"ours:{int(w)}" for w in args.workers.split(",")]
+    if args.kv_events:
+        sides = [x for w in args.workers.split(",") for x in (f"ours:{int(w)}", f"ours+kv:{int(w)}")]
     policies = [p for p in args.vllm_router.split(",") if p and p != "none"]
     unknown = set(policies) - {"round_robin", "cache_aware", "random", "power_of_two"}
     if unknown:
@@ -330,22 +342,31 @@ def main() -> None:
         tokens = bodies(files["cost"], tok_dir, args.prompts, 1, 2.0, True, args.chunks)
         bodies(files["rate"], tok_dir, args.prompts, 2, 0.0, True, args.chunks)
         files.update(latency_blocks(tmp, tok_dir, max(1, args.latency_requests // 50)))
-        engines = []
-        for _ in range(2):
-            e = {"port": free_port(), "zmq": free_port(), "replay": free_port()}
-            e["proc"] = subprocess.Popen(
-                [sys.executable, FAKE, "engine", "--port", str(e["port"]), "--zmq-port", str(e["zmq"]),
-                 "--replay-port", str(e["replay"]), "--chunks", str(args.chunks),
-                 "--tokenizer" if args.kv_events else "--render-tokenizer", str(tok_dir)],
-                cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
-            assert e["proc"].stdout.readline().strip() == "ready"
-            engines.append(e)
+        # With --kv-events two pairs of engines do the same work (each chat tokenized and
+        # its blocks hashed, as a prefix-caching engine does either way); one publishes
+        # the blocks, the other nothing: the sides differ only in events flowing.
+        pairs = {"quiet": ["--no-publish", "--tokenizer"] if args.kv_events else ["--render-tokenizer"]}
+        if args.kv_events:
+            pairs["kv"] = ["--tokenizer"]
+        by_pair: dict[str, list[dict]] = {}
+        for pair, flags in pairs.items():
+            by_pair[pair] = []
+            for _ in range(2):
+                e = {"port": free_port(), "zmq": free_port(), "replay": free_port()}
+                e["proc"] = subprocess.Popen(
+                    [sys.executable, FAKE, "engine", "--port", str(e["port"]), "--zmq-port", str(e["zmq"]),
+                     "--replay-port", str(e["replay"]), "--chunks", str(args.chunks), *flags, str(tok_dir)],
+                    cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+                assert e["proc"].stdout.readline().strip() == "ready"
+                by_pair[pair].append(e)
+        engines = [e for pair in by_pair.values() for e in pair]
         results: dict[str, list[dict]] = {s: [] for s in sides}
         try:
             for r in range(args.rounds):
                 order = sides[r % len(sides):] + sides[:r % len(sides)]
                 for side in order:
-                    got = run_side(side, engines, files, tok_dir, tmp / "serve.log", args)
+                    pair = by_pair["kv" if side.startswith("ours+kv:") else "quiet"]
+                    got = run_side(side, pair, files, tok_dir, tmp / "serve.log", args)
                     results[side].append(got)
                     print(f"round {r + 1}, {label(side)}: {got['rate']['requests_per_s']:.0f} req/s, "
                           f"{got['cost']['server_cpu_ms_per_request']:.2f} ms CPU/request", flush=True)
@@ -358,6 +379,8 @@ def main() -> None:
 
 def label(side: str) -> str:
     kind, arg = side.split(":")
+    if kind == "ours+kv":
+        return f"ours, {arg} worker(s), KV events"
     return f"ours, {arg} worker(s)" if kind == "ours" else f"vllm-router {arg}"
 
 
@@ -382,8 +405,10 @@ def report(args: argparse.Namespace, sides: list[str], results: dict, tokens: in
                      _mr([x["rate"]["loadgen_cpu_ms_per_request"] for x in rs]),
                      _mr([x["rate"]["engines_cpu_ms_per_request"] for x in rs]),
                      _mr([x["idle_cores"] for x in rs], "{:.3f}")])
+    engines = ("engines tokenizing and hashing every prompt, publishing its blocks only for the "
+               "KV-events rows" if args.kv_events else "engines not publishing KV events")
     print(f"\n{args.requests} streamed chats of ~{tokens} prompt tokens, {args.chunks} chunks each, "
-          f"engines {'publishing' if args.kv_events else 'not publishing'} KV events; "
+          f"{engines}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; medians [ranges] of "
           f"{args.rounds} rounds")
     print_table(["server", "CPU ms/req (16 in flight, paced)", f"req/s ({args.concurrency} in flight)",
@@ -391,6 +416,14 @@ def report(args: argparse.Namespace, sides: list[str], results: dict, tokens: in
                  "added p50 ms (seen)", "added p99 ms (seen)", "loadgen CPU ms/req",
                  "engines CPU ms/req", "idle cores"], rows)
     ratios = {}
+    for kv in (s for s in sides if s.startswith("ours+kv:")):
+        quiet = kv.replace("ours+kv:", "ours:")
+        for phase in ("cost", "rate"):
+            ratios[f"{kv}/{quiet}/{phase}"] = (
+                median([x[phase]["server_cpu_ms_per_request"] for x in results[kv]])
+                / median([x[phase]["server_cpu_ms_per_request"] for x in results[quiet]]))
+        print(f"CPU per request, {label(kv)} / without: {ratios[f'{kv}/{quiet}/cost']:.2f} (paced), "
+              f"{ratios[f'{kv}/{quiet}/rate']:.2f} (rate)")
     for ours in (s for s in sides if s.startswith("ours:")):
         for peer in (s for s in sides if s.startswith("vllm-router:")):
             for phase in ("cost", "rate"):

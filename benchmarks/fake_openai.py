@@ -17,7 +17,9 @@ publishes nothing (the index stays empty, the routing decision still runs); with
 ``--tokenizer DIR`` it tokenizes each chat as the gateway does and publishes its prompt's
 full 16-token blocks that it does not hold yet (``BlockStored``, one batch a request),
 keeping ``--capacity`` blocks and publishing the least recently used ones it drops
-(``BlockRemoved``), as a prefix-caching engine does. ``POST /v1/chat/completions/render``
+(``BlockRemoved``), as a prefix-caching engine does; ``--no-publish`` keeps that work
+and publishes nothing (a vLLM engine hashes its prompts' blocks whether or not it
+publishes events: this is its work with events off). ``POST /v1/chat/completions/render``
 answers as vLLM 0.32 does (a generate request: ``request_id``, the prompt's
 ``token_ids``, ``sampling_params``, ``model``...), the chat tokenized with ``--tokenizer``
 or ``--render-tokenizer`` (the demo's chat template); vllm-router's ``cache_aware`` asks it
@@ -83,10 +85,10 @@ class KVCache:
 
     BS = 16
 
-    def __init__(self, publisher, tokenizer, capacity: int) -> None:
+    def __init__(self, publisher, tokenizer, capacity: int, publish: bool = True) -> None:
         from collections import OrderedDict
 
-        self.pub, self.tok, self.capacity = publisher, tokenizer, capacity
+        self.pub, self.tok, self.capacity, self.publish = publisher, tokenizer, capacity, publish
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
     def admit(self, body: bytes) -> None:
@@ -118,7 +120,7 @@ class KVCache:
             evicted.append(self.blocks.popitem(last=False)[0])
         if evicted:
             events.append(BlockRemoved(evicted, "GPU"))
-        if events:
+        if events and self.publish:
             self.pub.publish(KVEventBatch(time.time(), events))
 
 
@@ -234,7 +236,7 @@ def run_engine(args: argparse.Namespace) -> None:
 
         _Engine.tok = TextTokenizer("m", args.tokenizer or args.render_tokenizer)
     if args.tokenizer:
-        _Engine.cache = KVCache(pub, _Engine.tok, args.capacity)
+        _Engine.cache = KVCache(pub, _Engine.tok, args.capacity, publish=not args.no_publish)
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(_Engine, "127.0.0.1", args.port,
@@ -322,6 +324,8 @@ def main() -> None:
     e.add_argument("--zmq-port", type=int, required=True)
     e.add_argument("--replay-port", type=int, required=True)
     e.add_argument("--tokenizer", default=None, help="tokenizer directory: publish KV events")
+    e.add_argument("--no-publish", action="store_true",
+                   help="with --tokenizer: track the prefix cache, publish nothing")
     e.add_argument("--render-tokenizer", default=None,
                    help="tokenizer directory: answer /v1/chat/completions/render (publish nothing)")
     e.add_argument("--capacity", type=int, default=4096, help="blocks the engine keeps")

@@ -277,3 +277,34 @@ def test_a_body_that_came_with_its_head_is_taken_at_once(server):
         finally:
             pool.close()
     run(go())
+
+
+def test_on_way_is_told_once_before_the_first_wait(server):
+    """After the write on a pooled connection, before connecting on a new one, and
+    before connecting even when that fails (so the caller's accounting is undone)."""
+    async def go():
+        pool = UpstreamPool(connect_timeout_s=2)
+        seen: list[str] = []
+
+        def on_way(label: str):
+            def told() -> None:
+                # Nothing awaited yet: a pooled connection was written to, a new one not
+                # yet opened.
+                seen.append(f"{label}:{pool.idle_connections()}")
+            return told
+
+        try:
+            r = await pool.send(server.url, "/v1/echo", b"a", [], on_way=on_way("new"))
+            await r.aread()
+            await r.aclose()
+            r = await pool.send(server.url, "/v1/echo", b"b", [], on_way=on_way("pooled"))
+            await r.aread()
+            await r.aclose()
+            with pytest.raises(UpstreamConnectError):
+                await pool.send(f"http://127.0.0.1:{free_port()}", "/v1/x", b"", [],
+                                on_way=on_way("refused"))
+        finally:
+            pool.close()
+        # (the pooled connection was taken off the idle list before the write)
+        assert seen == ["new:0", "pooled:0", "refused:1"]
+    run(go())

@@ -100,6 +100,25 @@ def test_affinity_sends_a_conversation_back_to_the_same_engine():
     assert others == set(names)
 
 
+def test_affinity_and_ties_hash_the_same_ids_the_same_way_in_any_container():
+    """A list (token-id prompts), an ``array('q')`` (the gateway's tokenizer) and a numpy
+    array of the same ids go to the same engine."""
+    from array import array
+
+    import numpy as np
+
+    policy = KVAwarePolicy()
+    names = ["a", "b", "c", "d"]
+    lookup = LookupResult(100, 16, [])
+    for start in range(0, 4000, 100):
+        ids = list(range(start, start + 100))
+        chosen = {policy.choose(kind(ids), lookup, cands(*names)).engine
+                  for kind in (list, lambda x: array("q", x), lambda x: np.asarray(x, dtype=np.int64))}
+        assert len(chosen) == 1, start
+    huge = [2**70, 5, 6]  # past int64: still a choice
+    assert policy.choose(huge, lookup, cands(*names)).engine in names
+
+
 def test_balance_evens_out_the_requests_a_gateway_sends():
     """``recent_share`` (a gateway's fraction of its recent requests per engine) pulls
     toward the engine short of its share: it wins the prompts where it trails by little

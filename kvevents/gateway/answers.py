@@ -1,17 +1,22 @@
 """What an engine's answer says, for the gateway's accounting: whether a stream got to
 its end, the cached tokens it reports (``usage.prompt_tokens_details.cached_tokens``,
 vLLM's ``--enable-prompt-tokens-details``), the cached tokens the routing decision
-predicted, and the headers passed back to the client. Pure functions; nothing here
-raises on a malformed answer (None instead)."""
+predicted, and the headers passed back to the client: pure functions, none of which
+raises on a malformed answer (None instead); and a whole answer's response, whose
+accounting runs once it is written (:class:`WholeAnswer`)."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from kvevents.gateway.upstream import UpstreamResponse
 from kvevents.routing import RouteDecision
 
-__all__ = ["answer_headers", "cached_tokens", "expected_cached", "is_complete",
+__all__ = ["WholeAnswer", "answer_headers", "cached_tokens", "expected_cached", "is_complete",
            "stream_cached_tokens", "usage_cached"]
 
 
@@ -49,14 +54,36 @@ def usage_cached(doc: object) -> int | None:
     return cached if type(cached) is int and cached >= 0 else None
 
 
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _Details | None = None
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+# Only the usage is decoded (the rest of the answer is skipped in C): a JSON parse of
+# the whole answer into Python objects cost more than the rest of its accounting.
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+
+
 def cached_tokens(body: bytes) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` of a whole answer, if reported."""
-    if b"cached_tokens" not in body:
-        return None
+    return _cached_of(body) if b"cached_tokens" in body else None
+
+
+def _cached_of(doc: bytes) -> int | None:
     try:
-        return usage_cached(json.loads(body))
-    except ValueError:
-        return None
+        usage = _decode_answer(doc).usage
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # not JSON, not numbers there, or nested past the decoder's depth
+    details = usage.prompt_tokens_details if usage is not None else None
+    cached = details.cached_tokens if details is not None else None
+    return cached if cached is not None and cached >= 0 else None
 
 
 def stream_cached_tokens(tail: bytes) -> int | None:
@@ -67,9 +94,21 @@ def stream_cached_tokens(tail: bytes) -> int | None:
     start = tail.rfind(b"\n", 0, at) + 1
     end = tail.find(b"\n", at)
     line = tail[start:] if end < 0 else tail[start:end]
-    if not line.startswith(b"data:"):
-        return None
-    try:
-        return usage_cached(json.loads(line[5:]))
-    except ValueError:
-        return None
+    return _cached_of(line[5:]) if line.startswith(b"data:") else None
+
+
+class WholeAnswer(Response):
+    """A whole (non-streamed) answer; ``after()`` runs once its writing ended, however it
+    ended: the engine connection's release and the request's accounting, off the
+    client's clock."""
+
+    def __init__(self, body: bytes, status: int, headers: dict[str, str],
+                 after: Callable[[], None]) -> None:
+        super().__init__(body, status_code=status, headers=headers)
+        self._after = after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._after()

@@ -196,11 +196,15 @@ class EngineLoads:
         """The policy's candidates as this gateway knows them: each engine's load, its
         share of the recent requests, and the tokens of the prompt in flight there
         (``inflight_tokens``, from :class:`~kvevents.gateway.inflight.InflightPrompts`)."""
-        shares = self.shares(engines)
-        return [Candidate(n, self.load(n), inflight_tokens.get(n, 0), shares[n]) for n in engines]
+        of, load, flying = self.of, self._load, inflight_tokens.get
+        targets = [of(n) for n in engines]
+        total = sum([t.sent for t in targets])  # (shares(), inline: once per request)
+        return [Candidate(n, load(t), flying(n, 0), t.sent / total) for n, t in zip(engines, targets)]
 
     def load(self, engine: str) -> EngineLoad:
-        t = self.of(engine)
+        return self._load(self.of(engine))
+
+    def _load(self, t: TargetLoad) -> EngineLoad:
         return EngineLoad(waiting=t.others + t.prefill_tokens / self.prefill_unit,
                           running=float(t.inflight), kv_usage=min(1.0, max(0.0, t.kv_usage)))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from kvevents.gateway.upstream import UpstreamResponse, _Connection
@@ -113,27 +114,37 @@ class UpstreamPool:
 
     async def send(self, base: str, path: str, body: bytes,
                    headers: list[tuple[bytes | str, bytes | str]],
-                   timeout_s: float | None = None, abort: asyncio.Future | None = None
-                   ) -> UpstreamResponse:
+                   timeout_s: float | None = None, abort: asyncio.Future | None = None,
+                   on_way: Callable[[], None] | None = None) -> UpstreamResponse:
         """POST ``body`` to ``base + path`` with ``headers`` (as the client sent them:
         bytes, or latin-1 text); the answer once its head arrived. Raises as the module
-        docstring says; ``abort``: a future whose completion ends the wait."""
+        docstring says; ``abort``: a future whose completion ends the wait. ``on_way()``
+        is called once, before this call first waits: right after the request is
+        written to a pooled connection, else before connecting (a caller's accounting
+        then costs the engine no time, and no other request is decided in between)."""
         key, prefix, host = self._target(base)
         head = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nhost: ", host,
                 b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers:
             head += [_latin1(name), b": ", _latin1(value), b"\r\n"]
-        request = b"".join(head) + b"\r\n" + body
+        head += [b"\r\n", body]
+        request = b"".join(head)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         for attempt in (0, 1):
             conn = self._pooled(key) if attempt == 0 else None
             reused = conn is not None
             if conn is None:
+                if on_way is not None:
+                    on_way, told = None, on_way
+                    told()
                 left = None if deadline is None else max(0.0, deadline - loop.time())
                 conn = await self._connect_within(key, left, abort)
             resp = conn.start(request)
             try:
+                if on_way is not None:
+                    on_way, told = None, on_way
+                    told()
                 await _head(conn, loop, deadline, timeout_s, abort)
                 return resp
             except UpstreamProtocolError:

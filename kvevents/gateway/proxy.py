@@ -36,16 +36,16 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 
 import httpx
 import numpy as np
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from kvevents.engines import EngineSpec
-from kvevents.gateway.answers import (answer_headers, cached_tokens, expected_cached,
+from kvevents.gateway.answers import (WholeAnswer, answer_headers, cached_tokens, expected_cached,
                                       stream_cached_tokens)
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.inflight import InflightPrompts
@@ -230,34 +230,38 @@ class Gateway:
         elif len(ids) > self.max_prompt_tokens:
             raise OpenAIError(400, f"prompt has {len(ids)} tokens; the limit is "
                                    f"{self.max_prompt_tokens}", "messages" if req.kind == CHAT else "prompt")
-        session = request.headers.get("x-session-id")
         drop = _DROP_KEYED if self.api_key else _DROP  # (the gateway's key stays here)
-        headers = [(k, v) for k, v in request.scope["headers"] if k not in drop]
+        raw = request.scope["headers"]  # lowercase names (ASGI)
+        headers = [(k, v) for k, v in raw if k not in drop]
+        session = next((v.decode("latin-1") for k, v in raw if k == b"x-session-id"), None)
         tried: set[str] = set()
         arr = None if ids is None else np.asarray(ids, dtype=np.int64)
         while True:
             decision = await self._decide(ids, arr, model, by_name, tried, session)
             engine = by_name[decision.engine]
             predicted = expected_cached(decision, len(ids) if ids else 0)
-            prefill = (max(0, (len(ids) if ids else 0) - predicted),
-                       None if arr is None else self.flights.add(engine.name, arr))
-            # The feed's route item waits for the request to be on its way.
-            asyncio.get_running_loop().call_soon(self._announce, decision, model, ids, session)
-            self.loads.started(engine.name, prefill[0])
-            self.metrics.of(self.metrics.inflight, engine.name).inc()
+            # The request's load and prompt in flight, counted once it is on its way
+            # (see UpstreamPool.send: nothing else is decided before).
+            flight: list[tuple[int, tuple | None]] = []
+            on_way = partial(self._on_way, flight, engine.name, decision, predicted, arr, model,
+                             ids, session)
             try:
-                upstream = await self._send(request, engine, req, headers)
+                upstream = await self._send(request, engine, req, headers, on_way)
             except OpenAIError as exc:  # the client left before any answer
-                self._finished(engine.name, prefill)
+                if flight:
+                    self._finished(engine.name, flight[0])
                 self._count(engine.name, model, exc.status, t0, None)
                 return exc.response()
             except BaseException:
-                self._finished(engine.name, prefill)
+                if flight:
+                    self._finished(engine.name, flight[0])
                 raise
+            prefill = flight[0] if flight else (0, None)
             retry = self._retry_reason(upstream, tried, by_name)
             if retry is None:
                 break
-            self._finished(engine.name, prefill)
+            if flight:
+                self._finished(engine.name, prefill)
             self.metrics.retries.labels(retry).inc()
             log.warning("engine %s: %s before the first byte; sending the request to another engine",
                         engine.name, retry)
@@ -265,7 +269,8 @@ class Gateway:
             if isinstance(upstream, UpstreamResponse):
                 upstream.close()
         if isinstance(upstream, Exception):
-            self._finished(engine.name, prefill)
+            if flight:
+                self._finished(engine.name, prefill)
             status = 504 if isinstance(upstream, UpstreamTimeout) else 502
             self._count(engine.name, model, status, t0, None)
             return OpenAIError(status, f"engine {engine.name} failed before answering: {upstream}",
@@ -308,6 +313,19 @@ class Gateway:
         while len(self.sessions) > _SESSIONS:
             self.sessions.popitem(last=False)
 
+    def _on_way(self, flight: list, engine: str, decision: RouteDecision, predicted: int,
+                arr: np.ndarray | None, model: str | None, ids: Sequence[int] | None,
+                session: str | None) -> None:
+        """A request is on its way to ``engine``: its prefill tokens and prompt join the
+        engine's load (``flight`` gets the handle :meth:`_finished` takes back), and the
+        feed's route item is published after this turn of the loop."""
+        prefill = (max(0, (len(ids) if ids else 0) - predicted),
+                   None if arr is None else self.flights.add(engine, arr))
+        flight.append(prefill)
+        self.loads.started(engine, prefill[0])
+        self.metrics.of(self.metrics.inflight, engine).inc()
+        asyncio.get_running_loop().call_soon(self._announce, decision, model, ids, session)
+
     def _announce(self, decision: RouteDecision, model: str | None, ids: Sequence[int] | None,
                   session: str | None) -> None:
         log.debug("route %s -> %s: %s", model, decision.engine, decision.reason)
@@ -316,15 +334,17 @@ class Gateway:
             "matched_tokens": decision.matched_tokens, "reason": decision.reason, "session": session})
 
     async def _send(self, request: Request, engine: EngineSpec, req: OpenAIRequest,
-                    headers: list[tuple[bytes, bytes]]) -> UpstreamResponse | UpstreamError:
+                    headers: list[tuple[bytes, bytes]], on_way: Callable[[], None]
+                    ) -> UpstreamResponse | UpstreamError:
         """The engine's response (headers read, body not), or the exception that stopped
         it before any answer. A client gone meanwhile ends the wait (a 499) and closes
-        the engine's connection; awaited in this task (see :mod:`.pool`)."""
+        the engine's connection; awaited in this task (see :mod:`.pool`, also for
+        ``on_way``)."""
         assert engine.http is not None
         gone = client_gone(request.scope, request.receive)
         try:
             return await self.upstream.send(engine.http, PATHS[req.kind], req.body, headers,
-                                            timeout_s=self.timeout_s, abort=gone)
+                                            timeout_s=self.timeout_s, abort=gone, on_way=on_way)
         except UpstreamAborted:
             raise OpenAIError(499, "client closed the request") from None
         except UpstreamConnectError as exc:
@@ -376,9 +396,10 @@ class Gateway:
         """A non-streamed answer (or an engine's error), read whole while watching the
         client; taken at once when it came with its head (the common case: no task)."""
         body = upstream.body_now()
-        error: OpenAIError | None = None
-        try:
-            if body is None:
+        held = body is not None  # engine connection and load released once written
+        if body is None:
+            error: OpenAIError | None = None
+            try:
                 read = asyncio.ensure_future(upstream.aread())
                 gone = client_gone(request.scope, request.receive)
                 try:
@@ -394,22 +415,23 @@ class Gateway:
                     error = OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")
                 else:
                     body = read.result()
-        finally:
-            upstream.close()
-            self._finished(engine, prefill)
-        if error is not None:
-            self._count(engine, model, error.status, t0, None)
-            return error.response()
+            finally:
+                upstream.close()
+                self._finished(engine, prefill)
+            if error is not None:
+                self._count(engine, model, error.status, t0, None)
+                return error.response()
         assert body is not None
         status = upstream.status_code
 
-        async def account() -> None:  # after the answer is written: not on the client's
-            # clock (async: Starlette would run a plain function on its thread pool)
+        def after() -> None:  # once the answer is written: not on the client's clock
+            if held:
+                upstream.close()
+                self._finished(engine, prefill)
             cached = cached_tokens(body) if status < 400 else None
             self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
 
-        return Response(body, status_code=status, headers=answer_headers(upstream, engine),
-                        background=BackgroundTask(account))
+        return WholeAnswer(body, status, answer_headers(upstream, engine), after)
 
     def _stream(self, upstream: UpstreamResponse, engine: str, model: str | None,
                 predicted: int, prefill: tuple, t0: float) -> Relay:

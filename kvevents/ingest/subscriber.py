@@ -114,8 +114,6 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
     # its history.
     _PROBE_INTERVAL_S = 1.0
     _BACKOFF_MIN_S = 0.05
-    # Longest a socket waits for a zmq_poll while others keep the loop busy.
-    _FULL_POLL_S = 0.005
     _BACKOFF_MAX_S = 5.0
     # Consecutive out-of-window seqs after which the publisher is believed: resync.
     _JUMPS_TO_RESYNC = 3
@@ -330,6 +328,7 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         self._hot = hot
         self._housekeeping()
         self._flush_group()  # held-back batches a finished replay released
+        self._gather(handled)
         if handled == 0 and self._bytes_since_trim >= self._TRIM_AFTER_BYTES:
             # A flood is over: give its freed buffers back to the OS.
             self._bytes_since_trim = 0
@@ -435,28 +434,6 @@ class Subscriber(StreamTracking, ReplayClient, Delivery, SocketSet):
         except Exception:
             # A consumer bug must not stop the stream of every other publisher.
             log.exception("consumer failed on BatchesApplied")
-
-    def _ready_sockets(self, timeout_ms: int) -> tuple[list[zmq.Socket], bool]:
-        """The sockets to drain now, and whether ``zmq_poll`` chose them. While messages
-        flow, those that had some last time are drained again without asking
-        ``zmq_poll`` (which costs ~1 us per socket followed, tens of us per call: it was
-        a tenth of the loop under load); every ``_FULL_POLL_S``, and as soon as a pass
-        over them finds nothing, all sockets are polled (with ``timeout_ms`` to wait),
-        so none waits long."""
-        if not self._by_socket:
-            self.gil_holds.releasing()
-            time.sleep(timeout_ms / 1000)
-            self.gil_holds.resumed()
-            return [], True
-        now = time.monotonic()
-        if self._hot and now < self._next_full_poll:
-            return self._hot, False
-        self._next_full_poll = now + self._FULL_POLL_S
-        self.gil_holds.releasing()
-        try:
-            return [sock for sock, _ in self._poller.poll(timeout_ms)], True
-        finally:
-            self.gil_holds.resumed()
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

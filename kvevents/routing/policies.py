@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from array import array
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -123,9 +124,20 @@ def _load_of(c: Candidate, kv_weight: float) -> float:
     return c.load.waiting + c.load.running + kv_weight * c.load.kv_usage
 
 
+def _id_bytes(token_ids: Sequence[int]) -> bytes:
+    """``token_ids`` as int64 bytes: the same bytes for the same ids in a list, an
+    ``array('q')`` or a numpy array (hashed for affinity and ties; joining their
+    decimal text cost more than the rest of the affinity)."""
+    if type(token_ids) is array and token_ids.typecode == "q":
+        return token_ids.tobytes()
+    try:
+        return array("q", token_ids).tobytes()
+    except (OverflowError, TypeError):  # ids past int64: their decimal text instead
+        return ",".join(map(str, token_ids)).encode()
+
+
 def _tie_key(token_ids: Sequence[int], engine: str) -> bytes:
-    head = ",".join(map(str, token_ids[:64])).encode()
-    return hashlib.blake2b(head + b"|" + engine.encode(), digest_size=8).digest()
+    return hashlib.blake2b(_id_bytes(token_ids[:64]) + b"|" + engine.encode(), digest_size=8).digest()
 
 
 class KVAwarePolicy:
@@ -201,9 +213,9 @@ class KVAwarePolicy:
         distinctive = token_ids[common:common + 64]
         if not len(distinctive):  # nothing distinctive (or no ids at all): no affinity
             return None
-        key = ",".join(map(str, distinctive)).encode()
+        key = _id_bytes(distinctive) + b"|"
         return max(candidates, key=lambda c: hashlib.blake2b(
-            key + b"|" + c.engine.encode(), digest_size=8).digest()).engine
+            key + c.engine.encode(), digest_size=8).digest()).engine
 
     @staticmethod
     def _reason(best: EngineScore, scores: list[EngineScore], pool: list[EngineScore],

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvevents.text.chat import ChatMessage, ChatTemplate, ChatTemplateError
 from kvevents.text.segments import SegmentEncoder, batch_encoder
-from kvevents.text.words import WordEncoder, split_pattern
+from kvevents.text.words import WordEncoder, split_pattern, word_tokenizer
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
@@ -134,8 +134,12 @@ class TextTokenizer:
         if pattern is None:
             return None
         exact = {t.content: (i, not (t.lstrip or t.rstrip or t.single_word)) for i, t in added.items()}
-        words = WordEncoder(pattern, batch_encoder(tok), exact)
-        ok = words.self_check(lambda text: tok.encode(text, add_special_tokens=False).ids, split)
+        def one(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False).ids
+
+        words = WordEncoder(pattern, batch_encoder(tok), exact, encode_one=one,
+                            encode_word=word_tokenizer(tok.model))
+        ok = words.self_check(one, split)
         return words if ok else None
 
     @staticmethod

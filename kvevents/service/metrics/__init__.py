@@ -95,11 +95,6 @@ class AggregatorMetrics:
         self.event_lag = LagHistogram()
         registry.register(self.event_lag)
         self._lookup = LookupMetrics(view, registry)
-        self.lookups = self._lookup.lookups
-        self.lookup_latency = self._lookup.lookup_latency
-        self.prompt_tokens = self._lookup.prompt_tokens
-        self.matched_tokens = self._lookup.matched_tokens
-        self.tier_tokens = self._lookup.tier_tokens
         # Running totals for the live page (the lookup metrics' dicts, updated in place).
         self.totals: dict[str, float] = self._lookup.totals
         self.tier_totals: dict[str, float] = self._lookup.tier_totals
