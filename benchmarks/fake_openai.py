@@ -227,6 +227,8 @@ def run_engine(args: argparse.Namespace) -> None:
 
     from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
 
+    if args.no_publish and not args.tokenizer:
+        raise SystemExit("--no-publish needs --tokenizer (the cache it keeps without publishing)")
     _Engine.chunks, _Engine.per_chunk = args.chunks, args.tokens_per_chunk
     pub = ZmqEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{args.zmq_port}",
                                             replay_endpoint=f"tcp://127.0.0.1:{args.replay_port}",

@@ -221,25 +221,29 @@ def test_lookup_metrics_add_up_per_series_and_bucket():
 
     agg = Aggregator(AggregatorSettings(engines=(
         EngineSpec("e", f"tcp://127.0.0.1:{free_port()}", model="m"),)))
-    hit = LookupResult(100, 16, [EngineMatch("e", 64, {"GPU": 48, "CPU": 64}, 16)])
-    miss = LookupResult(40, 16, [])
-    for seconds, result, model in ((0.00002, hit, "m"), (0.0003, hit, "m"), (0.2, miss, "m"),
-                                   (0.00002, miss, "typo")):
-        agg.metrics.observe_lookup("route", seconds, result, model)
-    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(agg.registry).decode())}
-    value = {(s.name, tuple(sorted(s.labels.items()))): s.value
-             for f in fams.values() if f.name.startswith("kvevents_lookup") for s in f.samples}
-    m = (("api", "route"), ("model_name", "m"))
-    assert value[("kvevents_lookups_total", m)] == 3
-    assert value[("kvevents_lookup_prompt_tokens_total", m)] == 240
-    assert value[("kvevents_lookup_matched_tokens_total", m)] == 128
-    assert value[("kvevents_lookup_tier_tokens_total", (*m, ("tier", "CPU")))] == 128
-    assert value[("kvevents_lookup_tier_tokens_total", (*m, ("tier", "GPU")))] == 96
-    assert value[("kvevents_lookups_total", (("api", "route"), ("model_name", "")))] == 1
-    buckets = {s.labels["le"]: s.value for s in fams["kvevents_lookup_latency_seconds"].samples
-               if s.name.endswith("_bucket") and s.labels["model_name"] == "m"}
-    assert buckets["1e-05"] == 0 and buckets["2.5e-05"] == 1 and buckets["0.0005"] == 2
-    assert buckets["0.1"] == 2 and buckets["+Inf"] == 3
-    assert value[("kvevents_lookup_latency_seconds_count", m)] == 3
-    assert abs(value[("kvevents_lookup_latency_seconds_sum", m)] - 0.20032) < 1e-9
-    assert agg.metrics.totals == {"lookups": 4, "prompt_tokens": 280, "matched_tokens": 128}
+    try:
+        hit = LookupResult(100, 16, [EngineMatch("e", 64, {"GPU": 48, "CPU": 64}, 16)])
+        miss = LookupResult(40, 16, [])
+        for seconds, result, model in ((0.00002, hit, "m"), (0.0003, hit, "m"), (0.2, miss, "m"),
+                                       (0.00002, miss, "typo")):
+            agg.metrics.observe_lookup("route", seconds, result, model)
+        fams = {f.name: f for f in text_string_to_metric_families(generate_latest(agg.registry).decode())}
+        value = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                 for f in fams.values() if f.name.startswith("kvevents_lookup") for s in f.samples}
+        m = (("api", "route"), ("model_name", "m"))
+        assert value[("kvevents_lookups_total", m)] == 3
+        assert value[("kvevents_lookup_prompt_tokens_total", m)] == 240
+        assert value[("kvevents_lookup_matched_tokens_total", m)] == 128
+        assert value[("kvevents_lookup_tier_tokens_total", (*m, ("tier", "CPU")))] == 128
+        assert value[("kvevents_lookup_tier_tokens_total", (*m, ("tier", "GPU")))] == 96
+        assert value[("kvevents_lookups_total", (("api", "route"), ("model_name", "")))] == 1
+        buckets = {s.labels["le"]: s.value for s in fams["kvevents_lookup_latency_seconds"].samples
+                   if s.name.endswith("_bucket") and s.labels["model_name"] == "m"}
+        assert buckets["1e-05"] == 0 and buckets["2.5e-05"] == 1 and buckets["0.0005"] == 2
+        assert buckets["0.1"] == 2 and buckets["+Inf"] == 3
+        assert value[("kvevents_lookup_latency_seconds_count", m)] == 3
+        assert abs(value[("kvevents_lookup_latency_seconds_sum", m)] - 0.20032) < 1e-9
+        assert agg.metrics.totals == {"lookups": 4, "prompt_tokens": 280, "matched_tokens": 128}
+        assert agg.metrics.tier_totals == {"GPU": 96, "CPU": 128}
+    finally:
+        agg.stop()

@@ -17,7 +17,7 @@ from kvevents.gateway.upstream import UpstreamResponse
 from kvevents.routing import RouteDecision
 
 __all__ = ["WholeAnswer", "answer_headers", "cached_tokens", "expected_cached", "is_complete",
-           "stream_cached_tokens", "usage_cached"]
+           "stream_cached_tokens"]
 
 
 def is_complete(tail: bytes) -> bool:
@@ -43,15 +43,6 @@ def answer_headers(upstream: UpstreamResponse, engine: str) -> dict[str, str]:
         if name in upstream.headers:
             out[name] = upstream.headers[name]
     return out
-
-
-def usage_cached(doc: object) -> int | None:
-    if not isinstance(doc, dict):
-        return None
-    usage = doc.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if type(cached) is int and cached >= 0 else None
 
 
 class _Details(msgspec.Struct):

@@ -188,18 +188,21 @@ class EngineLoads:
         even shares: see :meth:`of`). Each replica behind a Service gets an even part of
         the traffic, so replicas that each even out their own shares even out the
         fleet's without talking to each other."""
-        sent = [self.of(n).sent for n in engines]
-        total = sum(sent)  # > 0: every engine starts above 0 (see ``of``)
-        return {n: x / total for n, x in zip(engines, sent)}
+        return dict(zip(engines, self._shares([self.of(n) for n in engines])))
+
+    @staticmethod
+    def _shares(targets: list[TargetLoad]) -> list[float]:
+        total = sum([t.sent for t in targets])  # > 0: every engine starts above 0 (see ``of``)
+        return [t.sent / total for t in targets]
 
     def candidates(self, engines: list[str], inflight_tokens: dict[str, int]) -> list[Candidate]:
         """The policy's candidates as this gateway knows them: each engine's load, its
         share of the recent requests, and the tokens of the prompt in flight there
         (``inflight_tokens``, from :class:`~kvevents.gateway.inflight.InflightPrompts`)."""
-        of, load, flying = self.of, self._load, inflight_tokens.get
-        targets = [of(n) for n in engines]
-        total = sum([t.sent for t in targets])  # (shares(), inline: once per request)
-        return [Candidate(n, load(t), flying(n, 0), t.sent / total) for n, t in zip(engines, targets)]
+        targets = [self.of(n) for n in engines]
+        load, flying = self._load, inflight_tokens.get
+        return [Candidate(n, load(t), flying(n, 0), share)
+                for n, t, share in zip(engines, targets, self._shares(targets))]
 
     def load(self, engine: str) -> EngineLoad:
         return self._load(self.of(engine))

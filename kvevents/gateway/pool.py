@@ -135,16 +135,12 @@ class UpstreamPool:
             conn = self._pooled(key) if attempt == 0 else None
             reused = conn is not None
             if conn is None:
-                if on_way is not None:
-                    on_way, told = None, on_way
-                    told()
+                on_way = _tell(on_way)
                 left = None if deadline is None else max(0.0, deadline - loop.time())
                 conn = await self._connect_within(key, left, abort)
             resp = conn.start(request)
             try:
-                if on_way is not None:
-                    on_way, told = None, on_way
-                    told()
+                on_way = _tell(on_way)
                 await _head(conn, loop, deadline, timeout_s, abort)
                 return resp
             except UpstreamProtocolError:
@@ -206,6 +202,12 @@ async def _head(conn: _Connection, loop: asyncio.AbstractEventLoop, deadline: fl
             timer.cancel()
         if abort is not None:
             abort.remove_done_callback(aborted)
+
+
+def _tell(on_way: Callable[[], None] | None) -> None:
+    """Call ``on_way`` if not yet called; the caller keeps the None returned (once only)."""
+    if on_way is not None:
+        on_way()
 
 
 def _latin1(text: bytes | str) -> bytes:

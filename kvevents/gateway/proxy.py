@@ -248,20 +248,16 @@ class Gateway:
             try:
                 upstream = await self._send(request, engine, req, headers, on_way)
             except OpenAIError as exc:  # the client left before any answer
-                if flight:
-                    self._finished(engine.name, flight[0])
+                self._landed(engine.name, flight)
                 self._count(engine.name, model, exc.status, t0, None)
                 return exc.response()
             except BaseException:
-                if flight:
-                    self._finished(engine.name, flight[0])
+                self._landed(engine.name, flight)
                 raise
-            prefill = flight[0] if flight else (0, None)
             retry = self._retry_reason(upstream, tried, by_name)
             if retry is None:
                 break
-            if flight:
-                self._finished(engine.name, prefill)
+            self._landed(engine.name, flight)
             self.metrics.retries.labels(retry).inc()
             log.warning("engine %s: %s before the first byte; sending the request to another engine",
                         engine.name, retry)
@@ -269,12 +265,12 @@ class Gateway:
             if isinstance(upstream, UpstreamResponse):
                 upstream.close()
         if isinstance(upstream, Exception):
-            if flight:
-                self._finished(engine.name, prefill)
+            self._landed(engine.name, flight)
             status = 504 if isinstance(upstream, UpstreamTimeout) else 502
             self._count(engine.name, model, status, t0, None)
             return OpenAIError(status, f"engine {engine.name} failed before answering: {upstream}",
                                headers={"Retry-After": "1"}).response()
+        prefill = flight[0]  # (told before _send first waited: it is on its way)
         if session:
             self._pin(session, engine.name)
         if req.stream and upstream.status_code < 400:
@@ -366,6 +362,11 @@ class Gateway:
         if isinstance(upstream, UpstreamResponse) and upstream.status_code >= 500:
             return "5xx"
         return None
+
+    def _landed(self, engine: str, flight: list[tuple[int, tuple | None]]) -> None:
+        """:meth:`_finished` for a request whose ``on_way`` may not have been told."""
+        for prefill in flight:
+            self._finished(engine, prefill)
 
     def _finished(self, engine: str, prefill: tuple[int, tuple | None]) -> None:
         """A request's end: its prefill tokens and its prompt leave the engine's load."""

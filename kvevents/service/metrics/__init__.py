@@ -95,10 +95,17 @@ class AggregatorMetrics:
         self.event_lag = LagHistogram()
         registry.register(self.event_lag)
         self._lookup = LookupMetrics(view, registry)
-        # Running totals for the live page (the lookup metrics' dicts, updated in place).
-        self.totals: dict[str, float] = self._lookup.totals
-        self.tier_totals: dict[str, float] = self._lookup.tier_totals
         registry.register(StateCollector(view))
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Lookups, prompt and matched tokens so far (the live page's)."""
+        return self._lookup.totals
+
+    @property
+    def tier_totals(self) -> dict[str, float]:
+        """Matched tokens per tier so far."""
+        return self._lookup.tier_totals
 
     def _model_of(self, engine: str) -> str:
         for spec in self._view.engine_specs():

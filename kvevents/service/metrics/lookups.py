@@ -1,6 +1,6 @@
 """The lookup metrics (``kvevents_lookup*``) {api, model_name}, observed per lookup on
-the HTTP threads and the gateway's event loop, and the running totals the live page
-reads."""
+the HTTP threads and the gateway's event loop, and their totals over every series (the
+live page's)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,6 @@ class LookupMetrics(Collector):
 
     def __init__(self, view: ServiceView, registry: CollectorRegistry) -> None:
         self._view = view
-        # Running totals for the live page (a dict read is cheaper than a registry walk).
-        self.totals: dict[str, float] = {"lookups": 0, "prompt_tokens": 0, "matched_tokens": 0}
-        self.tier_totals: dict[str, float] = {}
         self._models: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._series: dict[tuple[str, str], list] = {}  # (api, model) -> figures
@@ -62,7 +59,6 @@ class LookupMetrics(Collector):
         labels = (api, self._model_label(model))
         bucket = _BUCKETS + bisect_left(LATENCY_BUCKETS, seconds)
         best = result.engines[0] if result.engines else None
-        totals = self.totals
         with self._lock:  # lookups run on several HTTP threads
             figures = self._series.get(labels)
             if figures is None:
@@ -71,15 +67,29 @@ class LookupMetrics(Collector):
             figures[_SECONDS] += seconds
             figures[_PROMPT] += result.prompt_tokens
             figures[bucket] += 1
-            totals["lookups"] += 1
-            totals["prompt_tokens"] += result.prompt_tokens
             if best is not None:
                 figures[_MATCHED] += best.tokens
-                totals["matched_tokens"] += best.tokens
                 for tier, n in best.tiers.items():
-                    self.tier_totals[tier] = self.tier_totals.get(tier, 0) + n
                     key = (*labels, tier)
                     self._tiers[key] = self._tiers.get(key, 0) + n
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Lookups, prompt and matched tokens over every series (the live page's)."""
+        with self._lock:
+            series = [list(f[:_BUCKETS]) for f in self._series.values()]
+        return {"lookups": sum(f[_LOOKUPS] for f in series),
+                "prompt_tokens": sum(f[_PROMPT] for f in series),
+                "matched_tokens": sum(f[_MATCHED] for f in series)}
+
+    @property
+    def tier_totals(self) -> dict[str, float]:
+        """Matched tokens per tier over every series."""
+        out: dict[str, float] = {}
+        with self._lock:
+            for (_, _, tier), n in self._tiers.items():
+                out[tier] = out.get(tier, 0) + n
+        return out
 
     @staticmethod
     def _families() -> tuple[Metric, ...]:
