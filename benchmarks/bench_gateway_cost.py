@@ -28,11 +28,12 @@ this order, on the same server, after 200 requests of warm-up:
   cores with the server: the figure is the box's, said with the load generator's and
   the engines' own CPU, and the cores the server kept busy: about 1.0 with one worker
   means that worker was the limit);
-* ``added``: ``--latency-requests`` one-chunk non-streamed chats, one at a time,
-  alternating through the server and straight to an engine in blocks of 50: p50/p99 of
-  each, and the differences; twice: ``added_new``, every chat new (one of the 8 system
-  prompts and a user turn not seen before, as in the other phases), and ``added``, each
-  block the same 50 chats again (a conversation the gateway has seen: retries,
+* ``added``: ``--latency-requests`` one-chunk non-streamed chats, one at a time, each
+  sent through the server and straight to an engine by one probe process (which goes
+  first alternates), after a few untimed: p50/p99 of each, and the differences; twice:
+  ``added_new``, every chat new (one of the 8 system prompts and a user turn not seen
+  before, as in the other phases), and ``added``, the same 50 chats again and again, all
+  sent once before the timing starts (a conversation the gateway has seen: retries,
   regenerations).
 
 ``--kv-events`` measures what the engines' events cost: the engines tokenize every chat
@@ -261,8 +262,8 @@ def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Pa
                           "engines_cpu_ms_per_request": sum(
                               pid_cpu(e["proc"].pid) - c for e, c in zip(engines, eng0)) / args.requests * 1e3,
                           "latency_p50_ms": median(got["latencies"]) * 1e3}
-        out["added_new"] = added_latency(port, engines[0]["port"], files["added_new"])
-        out["added"] = added_latency(port, engines[0]["port"], files["added"])
+        out["added_new"] = added_latency(port, engines[0]["port"], *files["added_new"])
+        out["added"] = added_latency(port, engines[0]["port"], *files["added"])
         if kind == "ours+kv":
             # The engines' events reached the index (a run where they did not is not one
             # with KV events flowing).
@@ -281,30 +282,41 @@ def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Pa
         stop(proc)
 
 
-def added_latency(port: int, engine_port: int, blocks: list[Path]) -> dict:
-    """One-chunk non-streamed chats one at a time, through the server and straight to the
-    engine in alternating blocks (a body file each, one load-generator process per block)."""
-    via, direct = [], []
-    for block in blocks:
-        via += load(port, block, 50, 1, 1)["latencies"]
-        direct += load(engine_port, block, 50, 1, 1)["latencies"]
+def added_latency(port: int, engine_port: int, body_file: Path, warmup: int) -> dict:
+    """Non-streamed chats one at a time, each through the server and straight to the
+    engine (one probe process; see ``fake_openai.py probe``), after ``warmup`` untimed."""
+    out = subprocess.run([sys.executable, FAKE, "probe", "--port", str(port), "--direct-port",
+                          str(engine_port), "--bodies", str(body_file), "--warmup", str(warmup),
+                          "--chunks", "1"], capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    got = json.loads(out.stdout)
+    if got["mismatches"]:
+        raise RuntimeError(f"added latency: {got['mismatches']} answers differ from the engine's")
+    via, direct = got["via"], got["direct"]
     return {"via_p50_ms": median(via) * 1e3, "via_p99_ms": percentile(via, 99) * 1e3,
             "direct_p50_ms": median(direct) * 1e3, "direct_p99_ms": percentile(direct, 99) * 1e3,
             "added_p50_ms": (median(via) - median(direct)) * 1e3,
             "added_p99_ms": (percentile(via, 99) - percentile(direct, 99)) * 1e3}
 
 
-def latency_blocks(tmp: Path, tok_dir: Path, blocks: int) -> dict[str, list[Path]]:
-    """Body files of 50 one-chunk chats: ``added``, the same 50 in every block;
-    ``added_new``, 50 chats not seen before in each (the same 8 system prompts)."""
+#: Chats sent through the server and to the engine before the timed ones: the probe
+#: process's own first requests (its connections, its cold caches) are not the server's.
+LATENCY_WARMUP = 10
+
+
+def latency_files(tmp: Path, tok_dir: Path, requests: int) -> dict[str, tuple[Path, int]]:
+    """Body files of one-chunk chats and their untimed lead-in: ``added_new``,
+    ``requests`` chats none of which the server has seen (after LATENCY_WARMUP others);
+    ``added``, 50 chats sent once untimed, then again and again (a conversation the
+    server has seen: a retry, a regeneration)."""
     every = tmp / "added_all.jsonl"
-    bodies(every, tok_dir, 50 * (blocks + 1), 3, 0.0, False, 1)
+    bodies(every, tok_dir, 50 + LATENCY_WARMUP + requests, 3, 0.0, False, 1)
     lines = every.read_text().splitlines()
-    files = []
-    for k in range(blocks + 1):
-        files.append(tmp / f"added_{k}.jsonl")
-        files[-1].write_text("\n".join(lines[50 * k:50 * (k + 1)]) + "\n")
-    return {"added": [files[0]] * blocks, "added_new": files[1:]}
+    seen, new = tmp / "added_seen.jsonl", tmp / "added_new.jsonl"
+    seen.write_text("\n".join(lines[:50] * (1 + -(-requests // 50))) + "\n")
+    new.write_text("\n".join(lines[50:]) + "\n")
+    return {"added": (seen, 50), "added_new": (new, LATENCY_WARMUP)}
 
 
 def main() -> None:
@@ -315,7 +327,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--latency-requests", type=int, default=300)
+    ap.add_argument("--latency-requests", type=int, default=1000)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measured")
     ap.add_argument("--kv-events", action="store_true",
@@ -341,7 +353,7 @@ def main() -> None:
         files: dict = {"cost": tmp / "cost.jsonl", "rate": tmp / "rate.jsonl"}
         tokens = bodies(files["cost"], tok_dir, args.prompts, 1, 2.0, True, args.chunks)
         bodies(files["rate"], tok_dir, args.prompts, 2, 0.0, True, args.chunks)
-        files.update(latency_blocks(tmp, tok_dir, max(1, args.latency_requests // 50)))
+        files.update(latency_files(tmp, tok_dir, args.latency_requests))
         # With --kv-events two pairs of engines do the same work (each chat tokenized and
         # its blocks hashed, as a prefix-caching engine does either way); one publishes
         # the blocks, the other nothing: the sides differ only in events flowing.

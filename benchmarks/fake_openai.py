@@ -6,7 +6,8 @@ benchmark measures the router between them, not them.
 The engine (``python fake_openai.py engine --port P --zmq-port Z --replay-port R``):
 ``POST /v1/chat/completions`` answers vLLM-shaped: streamed, a ``text/event-stream`` in
 chunked transfer encoding with ``--chunks`` chunks of ``--tokens-per-chunk`` tokens
-(one HTTP chunk each, ``bench_step_ms`` in the body spaces them, as decode steps do),
+(fewer when the request's ``max_tokens`` stops it earlier; one HTTP chunk each,
+``bench_step_ms`` in the body spaces them, as decode steps do),
 the usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``; not
 streamed, one JSON answer. The text is a deterministic function of the request's
 messages (:func:`answer_key`: a router may re-serialize the body, as vllm-router does,
@@ -25,10 +26,12 @@ answers as vLLM 0.32 does (a generate request: ``request_id``, the prompt's
 or ``--render-tokenizer`` (the demo's chat template); vllm-router's ``cache_aware`` asks it
 before every routing decision.
 
-The load generator (``python fake_openai.py load --url ... --requests N --concurrency C``)
-keeps C keep-alive connections, each sending its share of the requests one after the
-other, checks each answer against :func:`answer`, and prints one JSON line: wall time,
-latencies, mismatches, its own CPU seconds.
+The load generator (``python fake_openai.py load --port P --bodies F --requests N
+--concurrency C``) keeps C keep-alive connections, each sending its share of the requests
+one after the other, checks each answer against :func:`answer`, and prints one JSON line:
+wall time, latencies, mismatches, its own CPU seconds. The latency probe (``python
+fake_openai.py probe --port P --direct-port E --bodies F``) sends each body through the
+router and straight to the engine, one at a time, and prints both sides' latencies.
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ def answer_key(doc: dict) -> bytes:
     """What the answer depends on: the messages, compact JSON (the same through any router
     that keeps them, whatever else it adds to or reorders in the body)."""
     return json.dumps(doc["messages"], separators=(",", ":")).encode()
+
+
+def answer_chunks(doc: dict, chunks: int, per_chunk: int) -> int:
+    """Chunks in the answer to request ``doc``: ``chunks``, fewer when the request's
+    ``max_tokens`` (or ``max_completion_tokens``) stops it earlier."""
+    limit = doc.get("max_tokens", doc.get("max_completion_tokens"))
+    if type(limit) is int and limit > 0:
+        return min(chunks, -(-limit // per_chunk))
+    return chunks
 
 
 def answer(body: bytes, chunks: int, per_chunk: int) -> tuple[list[bytes], bytes]:
@@ -167,7 +179,8 @@ class _Engine(asyncio.Protocol):
             doc = json.loads(body)
             if _Engine.cache is not None:
                 _Engine.cache.admit(body)
-            events, whole = answer(answer_key(doc), self.chunks, self.per_chunk)
+            events, whole = answer(answer_key(doc), answer_chunks(doc, self.chunks, self.per_chunk),
+                                   self.per_chunk)
             if not doc.get("stream"):
                 return self._plain(200, whole, b"application/json")
             if not (doc.get("stream_options") or {}).get("include_usage"):
@@ -287,6 +300,14 @@ def chat_request(host: str, port: int, body: bytes) -> bytes:
             b"\r\ncontent-length: %d\r\n\r\n%s" % (host.encode(), port, len(body), body))
 
 
+def expected(body: bytes, args: argparse.Namespace) -> bytes:
+    """The bytes the engine answers ``body`` with (streamed: its SSE events)."""
+    doc = json.loads(body)
+    events, whole = answer(answer_key(doc), answer_chunks(doc, args.chunks, args.tokens_per_chunk),
+                           args.tokens_per_chunk)
+    return b"".join(events) if doc.get("stream") else whole
+
+
 def run_load(args: argparse.Namespace) -> None:
     import uvloop
 
@@ -300,11 +321,11 @@ def run_load(args: argparse.Namespace) -> None:
         _, client = await loop.create_connection(_Client, host, port)
         for i in range(k, args.requests, args.concurrency):
             body = bodies[i % len(bodies)]
-            events, whole = answer(answer_key(json.loads(body)), args.chunks, args.tokens_per_chunk)
+            want = expected(body, args)
             t0 = time.perf_counter()
             status, got = await client.request(chat_request(host, port, body))
             lat.append(time.perf_counter() - t0)
-            if status != 200 or got != (b"".join(events) if b'"stream":true' in body else whole):
+            if status != 200 or got != want:
                 bad[0] += 1
 
     async def main() -> float:
@@ -316,6 +337,36 @@ def run_load(args: argparse.Namespace) -> None:
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
     print(json.dumps({"wall_s": wall, "latencies": lat, "mismatches": bad[0], "cpu_s": cpu}))
+
+
+def run_probe(args: argparse.Namespace) -> None:
+    """Each body once through the server (``--port``) and once straight to the engine
+    (``--direct-port``), one at a time, in one process on one keep-alive connection each;
+    which of the two goes first alternates from body to body, so both see the box alike.
+    The first ``--warmup`` bodies are sent and checked, not timed."""
+    import uvloop
+
+    bodies = [line.encode() for line in open(args.bodies).read().splitlines()]
+    got: dict[str, list[float]] = {"via": [], "direct": []}
+    bad = [0]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sides = {}
+        for side, port in (("via", args.port), ("direct", args.direct_port)):
+            sides[side] = (port, (await loop.create_connection(_Client, args.host, port))[1])
+        for i, body in enumerate(bodies):
+            want = expected(body, args)
+            for side in (("via", "direct") if i % 2 == 0 else ("direct", "via")):
+                port, client = sides[side]
+                t0 = time.perf_counter()
+                status, data = await client.request(chat_request(args.host, port, body))
+                if i >= args.warmup:
+                    got[side].append(time.perf_counter() - t0)
+                if status != 200 or data != want:
+                    bad[0] += 1
+    uvloop.run(main())
+    print(json.dumps({**got, "mismatches": bad[0]}))
 
 
 def main() -> None:
@@ -331,16 +382,20 @@ def main() -> None:
     e.add_argument("--render-tokenizer", default=None,
                    help="tokenizer directory: answer /v1/chat/completions/render (publish nothing)")
     e.add_argument("--capacity", type=int, default=4096, help="blocks the engine keeps")
-    for p in (e, load := sub.add_parser("load")):
+    load, probe = sub.add_parser("load"), sub.add_parser("probe")
+    for p in (e, load, probe):
         p.add_argument("--chunks", type=int, default=64)
         p.add_argument("--tokens-per-chunk", type=int, default=3)
-    load.add_argument("--host", default="127.0.0.1")
-    load.add_argument("--port", type=int, required=True)
-    load.add_argument("--bodies", required=True, help="file of request bodies, one a line")
+    for p in (load, probe):
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--bodies", required=True, help="file of request bodies, one a line")
     load.add_argument("--requests", type=int, required=True)
     load.add_argument("--concurrency", type=int, required=True)
+    probe.add_argument("--direct-port", type=int, required=True, help="the engine's port")
+    probe.add_argument("--warmup", type=int, default=0, help="bodies sent first, not timed")
     args = ap.parse_args()
-    (run_engine if args.cmd == "engine" else run_load)(args)
+    {"engine": run_engine, "load": run_load, "probe": run_probe}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,26 @@ def _trickle(socks: list[socket.socket], data: list[bytes], stop: threading.Even
                     pos[i] = len(data[i])  # closed by the server
 
 
+def test_the_characters_limit_counts_text_not_json_bytes(fleet, tokenizer):
+    """``--max-prompt-chars`` counts the characters of the messages' strings: a chat
+    whose JSON is far longer (escapes, keys, a tool call's structure) but whose text is
+    at the limit is served; one character more is a 400 naming ``messages``."""
+    limit = 300
+    at_limit = json.dumps({"model": "fake", "stream": False, "max_tokens": 4, "messages": [
+        {"role": "system", "content": "\u00e9" * 100},  # 100 characters in 600 bytes
+        {"role": "user", "content": "x" * (limit - 100 - len("system") - len("user"))}]},
+        ensure_ascii=True).encode()
+    assert len(at_limit) > 2 * limit
+    over = at_limit.replace(b'"x', b'"xy', 1)
+    with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}",
+                        "--max-prompt-chars", str(limit)) as g:
+        r = httpx.post(g.url + "/v1/chat/completions", content=at_limit, timeout=10)
+        assert r.status_code == 200, r.text
+        r = httpx.post(g.url + "/v1/chat/completions", content=over, timeout=10)
+        err = _openai_error(r.status_code, r.content)
+        assert err["param"] == "messages" and f"{limit + 1} characters" in err["message"], err
+
+
 def test_slowloris_connections_are_closed_and_good_clients_still_served(fleet, tokenizer):
     with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}", "--header-timeout", "1",
                         "--body-timeout", "1", "--max-connections", "60") as g:

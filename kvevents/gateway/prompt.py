@@ -42,8 +42,17 @@ class OpenAIRequest:
     model: str | None
     stream: bool
     prompt: str | list[int] | None = None  # completions: the (first) prompt
-    messages: list[dict[str, Any]] | None = None  # chat
+    # chat: the messages typed (``chat``) when every one is a ChatMessage, else as
+    # decoded JSON (``messages``: the engine's /tokenize or load alone route them)
+    chat: list[ChatMessage] | None = None
+    messages: list[dict[str, Any]] | None = None
     messages_json: bytes = b""  # chat: the messages as the body wrote them
+
+    def plain_messages(self) -> list[dict[str, Any]] | None:
+        """The chat messages as decoded JSON, as the body wrote them."""
+        if self.messages is None and self.messages_json:
+            return msgspec.json.decode(self.messages_json)
+        return self.messages
 
 
 class _Body(msgspec.Struct):
@@ -61,6 +70,7 @@ _ids = msgspec.json.Decoder(list[int])
 _texts = msgspec.json.Decoder(list[str])
 _id_lists = msgspec.json.Decoder(list[list[int]])
 _messages = msgspec.json.Decoder(list[dict[str, Any]])
+_chat = msgspec.json.Decoder(list[ChatMessage])
 
 
 def parse_request(kind: str, body: bytes) -> OpenAIRequest:
@@ -86,14 +96,22 @@ def _parse(kind: str, body: bytes) -> OpenAIRequest:
         raise OpenAIError(400, f"request body is not a JSON object: {exc}") from None
     req = OpenAIRequest(kind, body, doc.model, bool(doc.stream))
     if kind == CHAT:
-        try:
-            messages = _messages.decode(doc.messages) if len(doc.messages) else None
-        except msgspec.ValidationError:
-            messages = None
-        if not messages:
+        raw = doc.messages
+        # Straight into ChatMessage structs (what the chat template renders), one pass in
+        # C; messages it does not describe are read as plain objects instead.
+        chat = messages = None
+        if len(raw):
+            try:
+                chat = _chat.decode(raw)
+            except msgspec.ValidationError:
+                try:
+                    messages = _messages.decode(raw)
+                except msgspec.ValidationError:
+                    pass
+        if not chat and not messages:
             raise OpenAIError(400, "messages must be a non-empty array of objects", "messages")
-        req.messages = messages
-        req.messages_json = bytes(doc.messages)
+        req.chat, req.messages = chat, messages
+        req.messages_json = bytes(raw)
     else:
         req.prompt = _first_prompt(doc.prompt)
     return req
@@ -182,7 +200,8 @@ class PromptTokens:
                 recent.move_to_end(key)
                 self.repeats += 1
                 return array("q", got)  # a copy: callers may hand it on
-        messages = msgspec.convert(req.messages, list[ChatMessage])
+        # (raises ValidationError for messages that are not ChatMessages: the engine's)
+        messages = req.chat if req.chat is not None else msgspec.convert(req.messages, list[ChatMessage])
         ids = await _off_loop_if_long(len(req.body), tok.chat_ids, messages)
         size = len(key[1]) + 8 * len(ids)
         if tok.repeatable_chat and size <= MAX_RECENT_BYTES // 64 and key not in recent:
@@ -201,7 +220,7 @@ class PromptTokens:
                      "hop per request; serve --tokenizer %s=DIR avoids it)", req.model, req.model or "MODEL")
         payload: dict[str, Any] = {"model": req.model} if req.model else {}
         if req.kind == CHAT:
-            payload["messages"] = req.messages
+            payload["messages"] = req.plain_messages()
         else:
             payload["prompt"] = req.prompt
         try:

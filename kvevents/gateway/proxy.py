@@ -201,6 +201,8 @@ class Gateway:
         """400 for a prompt longer than ``max_prompt_chars`` characters, before it is
         rendered or tokenized (the tokenizer's memory grows with the text: ~150 MB per
         million characters)."""
+        if req.kind == CHAT and len(req.messages_json) <= self.max_prompt_chars:
+            return  # a JSON text's strings hold no more characters than its bytes
         chars = prompt_chars(req)
         if chars > self.max_prompt_chars:
             raise OpenAIError(400, f"prompt has {chars} characters; the limit is "
@@ -488,7 +490,7 @@ def prompt_chars(req: OpenAIRequest) -> int:
     counts them for ``/v1/lookup`` and ``/v1/route``. One step per string."""
     if req.kind != CHAT:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return text_chars(req.messages)
+    return text_chars(req.chat if req.chat is not None else req.messages)
 
 
 def _body_now(request: Request) -> bytes | None:

@@ -136,6 +136,10 @@ def _id_bytes(token_ids: Sequence[int]) -> bytes:
         return ",".join(map(str, token_ids)).encode()
 
 
+def _by_score(s: EngineScore) -> float:
+    return -s.score
+
+
 def _tie_key(token_ids: Sequence[int], engine: str) -> bytes:
     return hashlib.blake2b(_id_bytes(token_ids[:64]) + b"|" + engine.encode(), digest_size=8).digest()
 
@@ -154,52 +158,59 @@ class KVAwarePolicy:
         eligible, and chosen only when every candidate is down."""
         if not candidates:
             raise ValueError("no candidate engines")
+        # Plain loops over locals: this runs once per routed request, on the event loop.
         cfg = self.config
+        kv_weight, load_weight = cfg.kv_weight, cfg.load_weight
         matches = {m.engine: m for m in lookup.engines}
-        loads = [_load_of(c, cfg.kv_weight) for c in candidates]
+        loads = [c.load.waiting + c.load.running + kv_weight * c.load.kv_usage for c in candidates]
         max_load, min_load = max(loads), min(loads)
-        n = max(1, lookup.prompt_tokens)
+        n = lookup.prompt_tokens if lookup.prompt_tokens > 1 else 1
         w_gpu, w_cpu = cfg.tier_weights.get("GPU", 1.0), cfg.tier_weights.get("CPU", 0.0)
         bs = lookup.block_size
         # Whole blocks only: a partial block is never a hit.
-        flying = {c.engine: min(n, c.inflight_tokens) // bs * bs if bs else min(n, c.inflight_tokens)
-                  for c in candidates}
+        flying = [min(n, c.inflight_tokens) // bs * bs if bs else min(n, c.inflight_tokens)
+                  for c in candidates]
         affinity = self._affinity(token_ids, candidates, matches, flying)
+        even = 1.0 / len(candidates)
         scores = []
-        for c, load in zip(candidates, loads):
-            m = matches.get(c.engine)
-            total = m.tokens if m else 0
-            tiers = dict(m.tiers) if m else {}
-            gpu = min(tiers.get("GPU", 0), total)
-            if flying[c.engine] > gpu:  # held there by a request in flight: a GPU run
-                gpu = flying[c.engine]
-                total = max(total, gpu)
+        for c, load, fly in zip(candidates, loads, flying):
+            engine = c.engine
+            m = matches.get(engine)
+            if m is None:
+                total, tiers, gpu = 0, {}, 0
+            else:
+                total, tiers = m.tokens, dict(m.tiers)
+                gpu = min(tiers.get("GPU", 0), total)
+            if fly > gpu:  # held there by a request in flight: a GPU run
+                gpu = fly
+                if gpu > total:
+                    total = gpu
                 tiers["GPU"] = gpu
             cache = (w_gpu * gpu + w_cpu * (total - gpu)) / n
-            score = cache - cfg.load_weight * load / (max_load + 1)
-            if c.engine == affinity:
+            score = cache - load_weight * load / (max_load + 1)
+            if engine == affinity:
                 score += cfg.affinity_weight
             if c.recent_share is not None:
-                score -= cfg.balance_weight * (c.recent_share - 1.0 / len(candidates))
-            eligible = load - min_load <= cfg.max_imbalance and c.engine not in down
-            scores.append(EngineScore(c.engine, score, cache, load, total, tiers, eligible))
-        up = [s for s in scores if s.engine not in down] or scores
+                score -= cfg.balance_weight * (c.recent_share - even)
+            eligible = load - min_load <= cfg.max_imbalance and engine not in down
+            scores.append(EngineScore(engine, score, cache, load, total, tiers, eligible))
+        up = ([s for s in scores if s.engine not in down] or scores) if down else scores
         pool = [s for s in up if s.eligible] or up
-        best_score = max(s.score for s in pool)
+        best_score = max([s.score for s in pool])
         tied = [s for s in pool if best_score - s.score <= _TIE_EPS]
         best = min(tied, key=lambda s: _tie_key(token_ids, s.engine)) if len(tied) > 1 else tied[0]
         shares = {c.engine: c.recent_share for c in candidates
                   if c.recent_share is not None} if cfg.balance_weight else {}
         reason = self._reason(best, up, pool, tied, n, shares)
-        if best.engine not in down and any(s.engine in down for s in scores):
+        if down and best.engine not in down and len(up) < len(scores):
             reason += f"; skipped down: {', '.join(sorted(s.engine for s in scores if s.engine in down))}"
-        scores.sort(key=lambda s: -s.score)
+        scores.sort(key=_by_score)
         return RouteDecision(best.engine, best.matched_tokens, best.tiers, scores, reason,
                              lookup.block_size)
 
     @staticmethod
     def _affinity(token_ids: Sequence[int], candidates: Sequence[Candidate],
-                  matches: dict, flying: dict[str, int]) -> str | None:
+                  matches: dict, flying: list[int]) -> str | None:
         """The engine this prompt's *distinctive* part hashes to (rendezvous hashing).
 
         The part every candidate already caches (a shared system prompt) says nothing;
@@ -207,15 +218,24 @@ class KVAwarePolicy:
         they repeat in every later turn. Hashing them sends a conversation back to the
         same engine even after its blocks were evicted there, so each engine serves a
         stable share of conversations and its cache holds them longer.
+        ``flying``: each candidate's whole blocks of this prompt in flight there.
         """
-        common = min(max(matches[c.engine].tokens if c.engine in matches else 0,
-                         flying.get(c.engine, 0)) for c in candidates)
+        common = None
+        for c, fly in zip(candidates, flying):
+            m = matches.get(c.engine)
+            held = m.tokens if m is not None and m.tokens > fly else fly
+            if common is None or held < common:
+                common = held
         distinctive = token_ids[common:common + 64]
         if not len(distinctive):  # nothing distinctive (or no ids at all): no affinity
             return None
         key = _id_bytes(distinctive) + b"|"
-        return max(candidates, key=lambda c: hashlib.blake2b(
-            key + c.engine.encode(), digest_size=8).digest()).engine
+        best, best_hash = None, b""
+        for c in candidates:
+            h = hashlib.blake2b(key + c.engine.encode(), digest_size=8).digest()
+            if best is None or h > best_hash:
+                best, best_hash = c.engine, h
+        return best
 
     @staticmethod
     def _reason(best: EngineScore, scores: list[EngineScore], pool: list[EngineScore],
