@@ -160,11 +160,11 @@ class KVAwarePolicy:
             raise ValueError("no candidate engines")
         # Plain loops over locals: this runs once per routed request, on the event loop.
         cfg = self.config
-        kv_weight, load_weight = cfg.kv_weight, cfg.load_weight
+        load_weight = cfg.load_weight
         matches = {m.engine: m for m in lookup.engines}
-        loads = [c.load.waiting + c.load.running + kv_weight * c.load.kv_usage for c in candidates]
+        loads = [_load_of(c, cfg.kv_weight) for c in candidates]
         max_load, min_load = max(loads), min(loads)
-        n = lookup.prompt_tokens if lookup.prompt_tokens > 1 else 1
+        n = max(1, lookup.prompt_tokens)
         w_gpu, w_cpu = cfg.tier_weights.get("GPU", 1.0), cfg.tier_weights.get("CPU", 0.0)
         bs = lookup.block_size
         # Whole blocks only: a partial block is never a hit.

@@ -12,8 +12,8 @@ Which patterns: ``GPT2`` (tokenizers' ``ByteLevel`` regex: GPT-2, RoBERTa...),
 ``LLAMA3`` (Llama 3, DeepSeek-style ``Split`` regexes with ``\\p{N}{1,3}``) and ``QWEN2``
 (the same with one digit per word). Each follows its regex's alternatives in order as
 Python's ``re`` does on ASCII (``\\s``: space, ``\\t``, ``\\n``, ``\\r``, ``\\v``, ``\\f``);
-:func:`kvevents.text.words.compiled_split` picks one only for a pattern equal to
-that regex, and the tests compare both on random ASCII. The caller checks that the text
+:class:`kvevents.text.words.WordEncoder` picks one only for a tokenizer whose translated
+pattern equals that regex, and the tests compare both on random ASCII. The caller checks that the text
 is ASCII (:func:`split` refuses other text, :func:`join_cached` returns None).
 
 A cache value that is not bytes is a TypeError.
