@@ -6,7 +6,8 @@ Answers ``POST /v1/chat/completions`` and ``/v1/completions``: ``max_tokens`` ch
 (default 64), one every ``fake_interval_ms`` (default 2), each padded to
 ``fake_chunk_bytes`` (default: a short vLLM-like chunk); streamed when ``"stream": true``
 (with a usage chunk and ``[DONE]``), else one JSON answer; ``fake_break_after``: the
-connection is closed after that many chunks (an engine that dies mid-answer). A stream counts as *open*
+connection is closed after that many chunks (an engine that dies mid-answer);
+``fake_break_at_end``: closed after ``[DONE]``, before the chunked body's end marker. A stream counts as *open*
 from its request until its last byte is written or its connection is lost (the gateway
 closed it). It stops writing while the gateway's socket is full (backpressure) and
 resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``GET /stats``:
@@ -153,6 +154,10 @@ class _Conn(asyncio.Protocol):
             end = (b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":10,'
                    b'"completion_tokens":%d,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
                    b"data: [DONE]\n\n" % n)
+            if doc.get("fake_break_at_end"):  # dies after [DONE], before the body's end
+                self.transport.write(b"%x\r\n%s\r\n" % (len(end), end))
+                self.transport.close()
+                return
             self.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(end), end))
             self.streaming = False
             self.stats.open -= 1

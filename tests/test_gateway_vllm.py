@@ -19,9 +19,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -394,26 +396,97 @@ def _reachable(gw: str) -> dict[str, bool]:
     return {e["name"]: e["gateway"]["reachable"] for e in engines}
 
 
+class _Lines:
+    """A streamed answer's lines, read by a thread: the test waits for them with a
+    deadline (an httpx read blocks) and can tell silence from the stream's end."""
+
+    END = object()
+
+    def __init__(self, resp: httpx.Response) -> None:
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._read, args=(resp,), daemon=True)
+        self.thread.start()
+
+    def _read(self, resp: httpx.Response) -> None:
+        try:
+            for line in resp.iter_lines():
+                self.queue.put(line)
+        except httpx.HTTPError as exc:  # a client that notices the cut
+            self.queue.put(f"broken: {exc!r}")
+        self.queue.put(self.END)
+
+    def until(self, pred, timeout: float) -> list:
+        """Lines up to and including the first for which ``pred`` holds (or the end)."""
+        out, deadline = [], time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.queue.get(timeout=left)
+            except queue.Empty:
+                break
+            out.append(line)
+            if line is self.END or pred(line):
+                break
+        return out
+
+    def quiet(self, silence: float, timeout: float) -> list:
+        """Lines until none came for ``silence`` s (or the end, or ``timeout``)."""
+        out, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.queue.get(timeout=silence)
+            except queue.Empty:
+                break
+            out.append(line)
+            if line is self.END:
+                break
+        return out
+
+
+def _cut_mid_answer(gw: str, server, engine: str, body: dict) -> list[str] | None:
+    """Stream ``body`` from ``engine`` and kill the engine provably mid-answer: after
+    8 chunks it is frozen (SIGSTOP), whatever it had sent is read until the stream is
+    quiet, and only an answer still unfinished then is killed (SIGKILL of a frozen
+    engine: not one more token can be written). The lines the client got after the kill,
+    or None when the answer was complete before the freeze (the engine was thawed; the
+    caller tries again). (vLLM's ``num_requests_running`` gauge is no proof: here it
+    still read 0 a second into a 12 s answer.)"""
+    with httpx.Client(timeout=30) as client, client.stream("POST", gw + "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["x-kvevents-engine"] == engine, resp.headers
+        lines, got = _Lines(resp), []
+        for _ in range(8):
+            got += lines.until(lambda line: isinstance(line, str) and line.startswith("data: "), timeout=60)
+        assert sum(isinstance(x, str) and x.startswith("data: {") for x in got) == 8, got[-5:]
+        server.freeze()
+        got += lines.quiet(silence=2.0, timeout=30)  # what it wrote before the freeze
+        if "data: [DONE]" in got or _Lines.END in got:
+            server.thaw()  # finished before the freeze: not a cut
+            lines.until(lambda line: False, timeout=30)
+            return None
+        server.kill()
+        after = lines.until(lambda line: False, timeout=30)
+        assert after and after[-1] is _Lines.END, f"the client's stream hung after its engine died: {after!r}"
+        return [x for x in after[:-1] if x]
+
+
 def test_killed_engine_costs_no_request(stack):
+    """An engine killed mid-answer: the client's stream ends with an error, never with
+    ``[DONE]``, it is counted as a 502, and every next request goes to the other engine."""
     gw, by_name = stack["gw"], stack["by_name"]
     x, prompt = stack.get("holder") or (NAMES[0], list(range(300, 400)))
     other = next(n for n in NAMES if n != x)
     retries = _metric(_metrics(gw), "kvevents_gateway_retries_total")
     cut = _metric(_metrics(gw), "kvevents_gateway_requests_total", engine=x, status="502")
-    body = {"model": MODEL, "prompt": prompt + [99], "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+    # ~3,000 tokens: seconds of decoding here, so the freeze lands mid-answer at once
+    body = {"model": MODEL, "prompt": prompt + [99], "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=30) as client, client.stream("POST", gw + "/v1/completions", json=body) as resp:
-        assert resp.headers["x-kvevents-engine"] == x
-        lines = resp.iter_lines()
-        assert next(lines).startswith("data: ")
-        by_name[x].kill()  # SIGKILL, API server and engine core, mid-stream
-        try:
-            stack["cut_tail"] = list(lines)[-3:]  # the stream ends (bounded by the read timeout)
-        except httpx.TimeoutException:
-            pytest.fail("the client's stream hung after its engine died")
-        except httpx.HTTPError as exc:  # or breaks: a client that notices
-            stack["cut_tail"] = [f"broken: {exc!r}"]
-    assert "data: [DONE]" not in stack["cut_tail"]
+    for _ in range(3):
+        tail = _cut_mid_answer(gw, by_name[x], x, body)
+        if tail is not None:
+            break
+    else:
+        pytest.fail("three answers of 3,000 tokens were each complete before their engine was frozen")
+    stack["cut_tail"] = tail
+    assert "data: [DONE]" not in tail, tail
     assert wait_until(lambda: _metric(_metrics(gw), "kvevents_gateway_requests_total", engine=x, status="502")
                       == cut + 1, timeout=10, interval=0.1)
     for i in range(10):  # the index still points at x: the first ones meet a refused connection
@@ -424,15 +497,20 @@ def test_killed_engine_costs_no_request(stack):
         _reachable(gw)
     print(f"{x} killed: 10/10 requests answered by {other}; retries "
           f"{_metric(_metrics(gw), 'kvevents_gateway_retries_total') - retries:g}; the stream it "
-          f"was sending ended with {stack['cut_tail']!r}")
+          f"was sending ended with {tail[-3:]!r}")
 
 
 def test_stream_cut_by_engine_death_is_visible(stack):
-    """The cut stream ends with an OpenAI-shaped error event, not as if complete."""
+    """The cut stream ends with an OpenAI-shaped error event (or a broken connection),
+    not as if complete: nothing follows it."""
     tail = stack.get("cut_tail")
     if tail is None:
         pytest.skip("test_killed_engine_costs_no_request did not run")
-    assert any(t.startswith("broken:") or (t.startswith("data: ") and '"error"' in t) for t in tail), tail
+    assert tail, "nothing reached the client after its engine was killed"
+    last = tail[-1]
+    assert last.startswith("broken:") or (last.startswith("data: ") and '"error"' in last), tail[-3:]
+    if not last.startswith("broken:"):
+        assert "broke off its answer" in json.loads(last[len("data: "):])["error"]["message"], last
 
 
 def test_all_engines_killed_is_503(stack):

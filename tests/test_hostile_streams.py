@@ -195,6 +195,22 @@ def test_an_engine_that_breaks_off_mid_stream_is_said_in_the_stream_and_counted(
         assert fleet.stats.open == 0
 
 
+def test_an_engine_that_breaks_off_after_its_done_gave_a_whole_answer(fleet, tokenizer):
+    """``[DONE]`` reached the client, then the engine died before its body's end marker:
+    the answer is whole, so it ends as one (no error event after ``[DONE]``), counted 200."""
+    with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}") as g:
+        s = connect(g.port)
+        s.sendall(raw_request(g.port, chat_body(True, 12, fake_break_at_end=True)))
+        got = _read_until(s, b"0\r\n\r\n")
+        s.close()
+        assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"\r\n0\r\n\r\n"), got[-300:]
+        body = _dechunk(got)
+        assert body.count(b'"delta"') == 12 and body.endswith(b"data: [DONE]\n\n"), body[-200:]
+        assert b'"error"' not in body
+        assert wait_for(lambda: g.metric("kvevents_gateway_requests_total", status="200") == 1, 5)
+        assert g.metric("kvevents_gateway_requests_total", status="502") == 0
+
+
 def _dechunk(raw: bytes) -> bytes:
     """The payload of a chunked HTTP/1.1 body (the head stripped)."""
     rest, out = raw.partition(b"\r\n\r\n")[2], b""

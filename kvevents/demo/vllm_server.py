@@ -160,6 +160,18 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 pass
 
+    def freeze(self) -> None:
+        """SIGSTOP the server and its engine core: nothing more is computed or written
+        until :meth:`thaw` (or :meth:`kill`, which ends a frozen server too). Tests use it
+        to hold an answer provably unfinished before they kill its engine."""
+        if self.proc is not None and self.proc.returncode is None:
+            self._signal_group(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        if self.proc is not None and self.proc.returncode is None:
+            self._signal_group(signal.SIGCONT)
+
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout`` s; idempotent (a server already ended,
         by :meth:`kill` say, is not signalled again)."""

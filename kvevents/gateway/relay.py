@@ -130,14 +130,17 @@ class Relay(Response):
                 tail = await self._direct(protocol)
             else:
                 tail = await self._through(send, gone)
-            if up.error is not None and not gone.done() and self._cut:
+            # An engine that broke off after its [DONE] had written its whole answer: the
+            # client has it, so its stream ends as a whole one does (nothing after [DONE]).
+            broke = up.error is not None and not is_complete(tail)
+            if broke and not gone.done() and self._cut:
                 # The engine broke off inside a chunk that was partly sent: nothing can
                 # follow it in the stream; the client sees its answer cut short.
                 status = 502
                 log.warning("engine %s broke off a streamed answer: %s", self.engine, up.error)
                 protocol.transport.close()
                 return
-            if up.error is not None and not gone.done():
+            if broke and not gone.done():
                 # The engine broke off: say so in the stream, in OpenAI's shape (the
                 # official client raises on it), instead of ending as if complete.
                 status = 502
