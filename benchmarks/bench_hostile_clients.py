@@ -22,12 +22,19 @@ CPU seconds (utime + stime).
   start (at most 65 s), probes' p50/p99;
 * ``slow_readers``: 100 clients asking for 23 MB answers, half reading 1 KB/s, half
   nothing, for 10 s, then leaving: RSS growth at peak and 10 s after, engines paused;
+* ``cardinality``: 10,008 requests naming random models, adapters, salts, sessions,
+  headers, paths and engines, to every endpoint that takes a name
+  (``hostile_support.named_requests``), 16 at a time, to a gateway run with
+  ``--auth-token`` as deployed: the series on ``/metrics`` and the RSS before and after, after one round of each first (the fixed series born); with
+  ``--vllm-router``, the same attack on vllm-router 0.1.17 (``cache_aware``, its
+  Prometheus port, the RSS of its whole session) in front of the same engines;
 * ``baseline`` (not an attack: what the guards cost well-behaved clients): 3 rounds of
   2,000 streamed chats (64 chunks each), 16 in flight on kept-alive connections, every
   answer's payload checked byte for byte: the gateway's CPU milliseconds per request.
 
     .venv/bin/python benchmarks/bench_hostile_clients.py [--attacks storm,capacity,...]
         [--root /path/to/other/checkout] [--json benchmarks/results/hostile_clients.json]
+        [--vllm-router cache_aware]   # the cardinality attack on vllm-router too ('.[bench]')
 """
 
 from __future__ import annotations
@@ -52,11 +59,11 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import httpx  # noqa: E402
 
 from common import machine, percentile, write_json  # noqa: E402
-from hostile_support import GatewayProcess, chat_body, raw_request  # noqa: E402
+from hostile_support import GatewayProcess, chat_body, named_requests, raw_request, series_count  # noqa: E402
 from support import free_port  # noqa: E402
 from text_tokenizer import build_bytelevel  # noqa: E402
 
-ATTACKS = ("storm", "capacity", "malformed", "slowloris", "slow_readers", "baseline")
+ATTACKS = ("storm", "capacity", "malformed", "slowloris", "slow_readers", "cardinality", "baseline")
 
 
 class Engines:
@@ -345,6 +352,72 @@ async def slow_readers(g: GatewayProcess, eng: Engines, n: int = 100, secs: floa
             "engine_streams_finished": streaming["finished"], "engine_streams_open_after": eng.stats()["open"]}
 
 
+def session_rss_mb(sid: int) -> float:
+    """The RSS of every process in session ``sid`` (a router's launcher and its workers)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) != sid:
+                    continue
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue  # gone meanwhile, or a kernel thread
+    return total / 1024
+
+
+async def _named_rounds(url: str, rounds: int, conc: int = 16) -> dict:
+    """``rounds`` rounds of :func:`named_requests` against ``url``: answers by status."""
+    statuses: dict[str, int] = {}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async def worker(w: int) -> None:
+            for k in range(w, rounds, conc):
+                for _, method, path, body, headers in named_requests(k):
+                    try:
+                        code = str((await client.request(method, path, json=body, headers=headers)).status_code)
+                    except httpx.HTTPError as exc:
+                        code = type(exc).__name__
+                    statuses[code] = statuses.get(code, 0) + 1
+        await asyncio.gather(*(worker(w) for w in range(conc)))
+    return statuses
+
+
+def cardinality_attack(url: str, metrics_url: str, rss) -> dict:
+    """The attack on one router: series and RSS after a first round of each request
+    (every fixed series born), then after 10,008 more."""
+    asyncio.run(_named_rounds(url, 32))
+    time.sleep(1)
+    series0, rss0 = series_count(httpx.get(metrics_url, timeout=30).text), rss()
+    t = time.perf_counter()
+    rounds = 10_000 // len(named_requests(0)) + 1
+    statuses = asyncio.run(_named_rounds(url, rounds))
+    seconds = time.perf_counter() - t
+    time.sleep(1)
+    text = httpx.get(metrics_url, timeout=30).text
+    return {"requests": rounds * len(named_requests(0)), "seconds": round(seconds, 1),
+            "statuses": statuses, "series": [series0, series_count(text)],
+            "metrics_bytes_after": len(text), "rss_mb": [round(rss0, 1), round(rss(), 1)]}
+
+
+def cardinality_vllm_router(policy: str) -> dict:
+    """The cardinality attack on vllm-router (``policy``) in front of fresh fake engines."""
+    from bench_gateway_cost import start_vllm_router, stop
+
+    eng = Engines()
+    log = Path(tempfile.mkdtemp(prefix="kvevents-vllm-router-")) / "router.log"
+    try:
+        proc, port, metrics_port = start_vllm_router(policy, [{"port": p} for p in eng.ports], log)
+        try:
+            got = cardinality_attack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics",
+                                     lambda: session_rss_mb(proc.pid))
+        finally:
+            stop(proc)
+    finally:
+        eng.close()
+    return {"attack": "cardinality", "router": f"vllm-router {policy}", **got}
+
+
 def _dechunk(body: bytes) -> bytes:
     out, rest = b"", body
     while True:
@@ -353,6 +426,12 @@ def _dechunk(body: bytes) -> bytes:
         if n == 0:
             return out
         out, rest = out + rest[:n], rest[n + 2:]
+
+
+async def cardinality(g: GatewayProcess, eng: Engines) -> dict:
+    # (synchronous inside: its own event loops, in a thread off this one)
+    got = await asyncio.to_thread(cardinality_attack, g.url, g.url + "/metrics", g.rss_mb)
+    return {"router": "kvevents serve", **got}
 
 
 async def baseline(g: GatewayProcess, eng: Engines, n: int = 2000, conc: int = 16) -> dict:
@@ -383,7 +462,8 @@ async def baseline(g: GatewayProcess, eng: Engines, n: int = 2000, conc: int = 1
 
 def run(attack: str, root: str, tokenizer: str) -> dict:
     eng = Engines()
-    extra = ["--max-inflight", "64"] if attack == "capacity" else []
+    extra = {"capacity": ["--max-inflight", "64"],  # (engines added or removed only with the token,
+             "cardinality": ["--auth-token", "bench-token"]}.get(attack, [])  # as deployed)
     try:
         with GatewayProcess(eng.urls, "--tokenizer", f"fake={tokenizer}", *extra, root=root) as g:
             fds0, rss0, cpu0 = g.fds(), g.rss_mb(), g.cpu_s()
@@ -414,6 +494,8 @@ def main() -> None:
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--root", default=str(HERE.parent), help="checkout whose kvevents serve runs")
     ap.add_argument("--json", default="benchmarks/results/hostile_clients.json")
+    ap.add_argument("--vllm-router", default="", metavar="POLICY",
+                    help="also run the cardinality attack on vllm-router 0.1.17 with this policy")
     a = ap.parse_args()
     tok = build_bytelevel(Path(tempfile.mkdtemp(prefix="kvevents-tok-")))
     results = []
@@ -421,6 +503,10 @@ def main() -> None:
         r = run(attack, a.root, str(tok))
         print(json.dumps(r), flush=True)
         results.append(r)
+        if attack == "cardinality" and a.vllm_router:
+            r = cardinality_vllm_router(a.vllm_router)
+            print(json.dumps(r), flush=True)
+            results.append(r)
     write_json(a.json, {"benchmark": "hostile clients against kvevents serve", "machine": machine(),
                         "root": a.root, "args": vars(a), "results": results})
 

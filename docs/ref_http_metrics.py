@@ -273,8 +273,36 @@ _SECTIONS = {
 }
 
 
+#: Every label of every family, and where its values come from. No value is taken from
+#: a request: a label a client could name would mint a series per request
+#: (:mod:`kvevents.service.metrics.labels`). A label missing here fails the build.
+LABEL_SOURCES = {
+    "engine": "The followed engine's name, as the operator gave it (`--endpoint NAME=...`, "
+              "`POST /v1/engines` behind `--auth-token`) or discovery found it; `\"\"` on a "
+              "gateway request answered before any engine was chosen.",
+    "model_name": "The model the engine serves, as configured (`model=` of `--endpoint`, "
+                  "`--discover-model`), `\"\"` when unset. On lookup and gateway families: the "
+                  "request's model when a followed engine serves it, `unknown` for any other "
+                  "name, `\"\"` for none.",
+    "status": "The HTTP status of the answer (the gateway's own, or the engine's it relayed; "
+              "`499` a client that left, `502` an engine that broke off).",
+    "api": "`lookup` or `route`: which endpoint served the lookup.",
+    "tier": "The cache tier of the blocks, as the engines' events name it (`GPU`, `CPU`, ...).",
+    "type": "The event's type (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`).",
+    "kind": "A fixed set of failure kinds, named by the family's help.",
+    "reason": "A fixed set of reasons, named by the family's help.",
+    "origin": "The discovery source, as configured (`dns:NAME`, `dns-srv:NAME`, `k8s:NAMESPACE/SELECTOR`).",
+    "query": "The DNS name a discovery source asks, as configured.",
+    "worker": "The worker's index, `0` to `N-1` of `--workers N`.",
+}
+
+
 def metrics_page() -> str:
     fams = metric_families()
+    used = sorted({label for m in fams for label in m["labels"]})
+    missing = [label for label in used if label not in LABEL_SOURCES]
+    if missing:
+        raise RuntimeError(f"labels with no stated source: {missing} (docs/ref_http_metrics.py)")
     lines = [
         "# Metrics reference",
         "",
@@ -282,6 +310,12 @@ def metrics_page() -> str:
         "`kvevents serve` builds (its `/metrics`): every family, with its type, labels and help.",
         "What the families mean together is on [Metrics and Grafana](../metrics.md).",
     ]
+    lines += ["", "## Labels", "",
+              "Every label a family here carries, and where its values come from. None takes",
+              "its value from a request: a model, adapter, salt, session, header or path that a",
+              "client names never becomes a label value, so no client can add series.", "",
+              "| label | values |", "|---|---|"]
+    lines += [f"| `{label}` | {cell(LABEL_SOURCES[label])} |" for label in used]
     for source, (title, *intro) in _SECTIONS.items():
         rows = [m for m in fams if m["source"] == source]
         if not rows:

@@ -96,6 +96,8 @@ class _Conn(asyncio.Protocol):
             self._reply(200, b"application/json", json.dumps(self.stats.as_dict()).encode())
             if self.url == b"/stats/reset":  # a new measurement: the peak from now on
                 self.stats.peak = self.stats.open
+        elif method == b"GET" and self.url == b"/health":
+            self._reply(200, b"application/json", b"{}")
         elif method == b"GET" and self.url == b"/v1/models":
             self._reply(200, b"application/json", b'{"object":"list","data":[{"id":"fake"}]}')
         elif method == b"POST" and self.url in (b"/v1/chat/completions", b"/v1/completions"):

@@ -1,6 +1,7 @@
 """A real ``kvevents serve`` process in front of fake engines (:mod:`hostile_engine`),
 with what the hostile-client tests and ``benchmarks/bench_hostile_clients.py`` read of
-it: its open files, its RSS, its metrics and its log. 127.0.0.1 only."""
+it: its open files, its RSS, its metrics and its log; and the rounds of requests whose
+names a client chose (:func:`named_requests`). 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 
 import httpx
 import pytest
@@ -83,6 +85,39 @@ def reset(s: socket.socket) -> None:
     """Close with an RST (SO_LINGER 0), as a client that crashes does."""
     s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     s.close()
+
+
+def named_requests(k: int) -> list[tuple[str, str, str, dict | None, dict]]:
+    """The ``k``-th round of requests whose names a client chose: a model, an adapter, a
+    salt, a session, a header, a path and an engine, each random; one request to each
+    endpoint that takes such a name, in a fixed order: (endpoint, method, path, JSON body,
+    headers). The served chat names the fake engines' model ``fake``."""
+    r = uuid.uuid4().hex
+    chat = {"model": f"m-{r}", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "cache_salt": r, "lora_name": r}
+    served = {"model": "fake", "messages": [{"role": "user", "content": f"hi {k}"}], "max_tokens": 2,
+              "cache_salt": r}
+    headers = {"x-session-id": r, f"x-{r[:12]}": r}
+    return [
+        ("chat", "POST", "/v1/chat/completions", chat, headers),
+        ("chat stream", "POST", "/v1/chat/completions", {**chat, "stream": True}, headers),
+        ("chat served", "POST", "/v1/chat/completions", served, headers),
+        ("completions", "POST", "/v1/completions", {"model": f"fake:{r}", "prompt": "hi", "max_tokens": 2},
+         headers),
+        ("lookup", "POST", "/v1/lookup", {"token_ids": [1, 2, 3], "model": r, "lora_name": r}, headers),
+        ("route", "POST", "/v1/route", {"token_ids": [1, 2, 3], "model": r}, headers),
+        ("engine blocks", "GET", f"/v1/engines/{r}/blocks", None, headers),
+        ("engine add", "POST", "/v1/engines", {"name": r, "endpoint": "tcp://127.0.0.1:1"}, headers),
+        ("engine delete", "DELETE", f"/v1/engines/{r}", None, headers),
+        ("unknown path", "GET", f"/v1/{r}", None, headers),
+        ("models", "GET", "/v1/models", None, headers),
+        ("discovery", "GET", f"/v1/discovery?source={r}", None, headers),
+    ]
+
+
+def series_count(text: str) -> int:
+    """Samples on a Prometheus scrape (every line that is not a comment)."""
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
 
 
 class GatewayProcess:

@@ -240,8 +240,11 @@ def test_trickling_replay_endpoint_does_not_freeze_the_engine():
             pub.publish(seq, ENC.encode(stored(100 + seq)))
             statuses.update(p["status"] for p in agg.engine_statuses())
             time.sleep(0.1)
+        # Without the deadline the trickler's replies keep the replay alive for good; with
+        # it the engine is live again after about replay_deadline + replay_timeout (5 s).
+        # The bound is wide: under a full suite on 2 cores this has taken 12.5 s.
         done = wait_until(lambda: (statuses.update(p["status"] for p in agg.engine_statuses())
-                                   or agg.source_stats()["p"].last_seq == 15), 12, 0.05)
+                                   or agg.source_stats()["p"].last_seq == 15), 30, 0.05)
         frozen = time.monotonic() - t0
         gap = next(p for p in agg.engine_statuses() if p["name"] == "p")
         st = agg.source_stats()["p"]
@@ -250,7 +253,7 @@ def test_trickling_replay_endpoint_does_not_freeze_the_engine():
         figure("trickle_replay", first_contact_seconds=round(t_first, 2), caught_up=done, frozen_seconds=round(frozen, 2),
                statuses=sorted(statuses), lost=st.lost_batches, replay_timeouts=st.replay_timeouts,
                mismatched_blocks=len(got ^ truth))
-        assert done and frozen < 8
+        assert done and frozen < 25
         assert "replaying" in statuses and gap["status"] != "replaying"
         assert st.lost_batches == 1 and got == truth
     finally:

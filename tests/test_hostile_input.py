@@ -13,7 +13,9 @@ process in front of fake engines (:mod:`hostile_engine`), a fresh one per test.
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 import socket
 import threading
 import time
@@ -22,8 +24,8 @@ import httpx
 import pytest
 
 from hostile_support import fleet, tokenizer  # noqa: F401 (fixtures)
-from hostile_support import (GatewayProcess, chat_body, connect, head_fields, raw_request,
-                             read_response, reset, wait_for)
+from hostile_support import (GatewayProcess, chat_body, connect, head_fields, named_requests,
+                             raw_request, read_response, reset, series_count, wait_for)
 
 
 def _response(s: socket.socket, timeout: float = 5.0) -> tuple[int, dict, bytes]:
@@ -214,3 +216,37 @@ def test_the_limits_come_from_flags_the_environment_and_the_config_file(tmp_path
     # The server's protocol takes them from the app's settings.
     http = uvicorn_config(create_app(s)).http
     assert (http.limits.max_connections, http.limits.header_timeout_s, http.limits.body_timeout_s) == (11, 6, 8)
+
+
+def test_client_chosen_names_mint_no_series_and_no_memory(fleet, tokenizer):
+    """10,000 requests naming random models, adapters, salts, sessions, headers, paths and
+    engines, to every endpoint that takes a name: none gets a 5xx, and the series on
+    ``/metrics`` and the process's RSS stay where one round of each left them (a label
+    value from a request would add a series per request)."""
+    import asyncio
+
+    with GatewayProcess(fleet.urls, "--tokenizer", f"fake={tokenizer}", "--auth-token", "s3cret") as g:
+        async def send(n: int) -> collections.Counter:
+            statuses: collections.Counter = collections.Counter()
+            async with httpx.AsyncClient(base_url=g.url, timeout=30) as client:
+                async def worker(w: int) -> None:
+                    for k in range(w, n, 16):
+                        for name, method, path, body, headers in named_requests(k):
+                            resp = await client.request(method, path, json=body, headers=headers)
+                            statuses[(name, resp.status_code)] += 1
+                await asyncio.gather(*(worker(w) for w in range(16)))
+            return statuses
+
+        asyncio.run(send(32))  # every fixed series born (statuses, buckets, the engines')
+        time.sleep(0.5)
+        series0, rss0 = series_count(httpx.get(g.url + "/metrics").text), g.rss_mb()
+        statuses = asyncio.run(send(10_000 // len(named_requests(0)) + 1))
+        text = httpx.get(g.url + "/metrics").text
+        series1, rss1 = series_count(text), g.rss_mb()
+    assert sum(statuses.values()) >= 10_000
+    assert not [k for k in statuses if k[1] >= 500], statuses
+    assert not re.search(r'="(m-|fake:)?[0-9a-f]{32}"', text), "a client-chosen name became a label value"
+    assert series1 - series0 <= 5, f"{series0} -> {series1} series after {sum(statuses.values())} requests"
+    assert rss1 - rss0 < 40, f"RSS {rss0:.0f} -> {rss1:.0f} MB"
+    print(f"{sum(statuses.values())} requests with random names: series {series0} -> {series1}, "
+          f"RSS {rss0:.0f} -> {rss1:.0f} MB; statuses {dict(statuses)}")

@@ -108,9 +108,10 @@ def test_aggregator_metrics_are_clean_safe_and_pruned():
         assert up == {"engine-0": 1.0, "engine-1": 0.0}
         lag = [s for s in fams["kvevents_event_lag_seconds"].samples if s.name.endswith("_count")]
         assert [(s.labels["engine"], s.value) for s in lag] == [("engine-0", 1.0)]
-        # Lookup models: only a followed engine's model becomes a label value.
+        # Lookup models: only a followed engine's model becomes a label value; any other
+        # name is "unknown", no name "".
         looked = {s.labels["model_name"]: s.value for s in fams["kvevents_lookups"].samples}
-        assert looked == {"llama": 1.0, "": 2.0}
+        assert looked == {"llama": 1.0, "unknown": 1.0, "": 1.0}
 
         assert httpx.delete(f"{url}/v1/engines/engine-0").status_code == 204
         after = httpx.get(f"{url}/metrics").text
@@ -215,7 +216,7 @@ def test_engine_metrics_keep_vllm_names_when_prometheus_asks_for_openmetrics():
 def test_lookup_metrics_add_up_per_series_and_bucket():
     """The lookup families (kept as plain numbers, built at scrape): each lookup in one
     latency bucket, the histogram cumulative, tokens summed per (api, model) and tier; a
-    model no engine serves is labelled ""."""
+    model no engine serves is labelled "unknown"."""
     from kvevents.index import EngineMatch, LookupResult
     from kvevents.service.aggregator import Aggregator
 
@@ -236,7 +237,8 @@ def test_lookup_metrics_add_up_per_series_and_bucket():
         assert value[("kvevents_lookup_matched_tokens_total", m)] == 128
         assert value[("kvevents_lookup_tier_tokens_total", (*m, ("tier", "CPU")))] == 128
         assert value[("kvevents_lookup_tier_tokens_total", (*m, ("tier", "GPU")))] == 96
-        assert value[("kvevents_lookups_total", (("api", "route"), ("model_name", "")))] == 1
+        assert value[("kvevents_lookups_total", (("api", "route"), ("model_name", "unknown")))] == 1
+        assert not any(("model_name", "typo") in labels for _, labels in value)
         buckets = {s.labels["le"]: s.value for s in fams["kvevents_lookup_latency_seconds"].samples
                    if s.name.endswith("_bucket") and s.labels["model_name"] == "m"}
         assert buckets["1e-05"] == 0 and buckets["2.5e-05"] == 1 and buckets["0.0005"] == 2

@@ -27,6 +27,7 @@ from kvevents.discovery import Discovery, build_sources
 from kvevents.gateway import Gateway, GatewayMetrics
 from kvevents.routing import KVAwarePolicy, KVRouterConfig, Router
 from kvevents.service.aggregator import Aggregator
+from kvevents.service.metrics.labels import ModelLabels
 from kvevents.service.settings import AggregatorSettings
 from kvevents.text import TokenizerRegistry
 
@@ -56,7 +57,7 @@ def create_app(
             affinity_weight=settings.route_affinity_weight,
             balance_weight=settings.route_balance_weight)))
         app.state.gateway = Gateway(
-            app.state.routing, app.state.tokenizers, GatewayMetrics(agg.registry),
+            app.state.routing, app.state.tokenizers, GatewayMetrics(agg.registry, ModelLabels(agg)),
             api_key=settings.api_key, timeout_s=settings.request_timeout_s,
             max_inflight=settings.max_inflight, poll_interval_s=settings.engine_poll_interval_s,
             busy_poll_interval_s=settings.engine_poll_busy_interval_s,

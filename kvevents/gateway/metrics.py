@@ -19,8 +19,12 @@ kvevents_gateway_connections_closed_total      HTTP connections the server close
                                                body_timeout, evicted, over_capacity}
 =============================================  =============================================
 
-Labels as on every per-engine series: ``engine`` (the followed engine's name) and
-``model_name`` (the request's model, as vLLM labels its own). Predicted and reported are
+Labels as on every per-engine series: ``engine`` (the followed engine's name, "" when
+none was chosen) and ``model_name`` (the request's model, as vLLM labels its own, when a
+followed engine serves it; ``unknown`` for any other name, "" for none: see
+:mod:`kvevents.service.metrics.labels`). No label takes its value from a request: the
+methods here map the request's model themselves, so no call site can mint a series.
+Predicted and reported are
 counted only for requests whose answer reported cached
 tokens (vLLM's ``--enable-prompt-tokens-details``; streamed answers with
 ``stream_options.include_usage``), so their ratio is the live accuracy of the routing
@@ -31,12 +35,18 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvevents.service.metrics.labels import UNKNOWN, ModelLabels
+
 # TTFT and request latency: from a few ms (cached, one token) to minutes (long generations).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    """The gateway's families on ``registry``. ``models``: the rule for ``model_name``
+    (without one, every named model is counted as ``unknown``)."""
+
+    def __init__(self, registry: CollectorRegistry, models: ModelLabels | None = None) -> None:
+        self._models = models
         self.requests = Counter("kvevents_gateway_requests_total", "OpenAI requests answered by the "
                                 "gateway", ["engine", "model_name", "status"], registry=registry)
         self.ttft = Histogram("kvevents_gateway_ttft_seconds", "Time to the first streamed byte, "
@@ -66,16 +76,45 @@ class GatewayMetrics:
         self.untokenized = Counter("kvevents_gateway_untokenized_total", "Prompts routed by load "
                                    "alone: no token ids", registry=registry)
 
+    def model(self, model: str | None) -> str:
+        """The ``model_name`` label of a request's model (never the client's own string
+        unless a followed engine serves that model)."""
+        if not model:
+            return ""
+        return self._models.label(model) if self._models is not None else UNKNOWN
+
     def of(self, metric, *labels: str):
         """``metric.labels(*labels)``, kept: the series every answered request updates
-        (prometheus_client checks and converts the labels on every ``labels`` call)."""
+        (prometheus_client checks and converts the labels on every ``labels`` call).
+        Labels from closed sets only (engine names, :meth:`model`, enums)."""
         key = (metric, labels)
         child = self._children.get(key)
         if child is None:
-            if len(self._children) >= 4096:  # (models named by clients: bounded)
+            if len(self._children) >= 4096:  # (engines come and go: bounded all the same)
                 self._children.clear()
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def refused(self, model: str | None, status: int) -> None:
+        """A request answered by the gateway itself, before any engine was chosen."""
+        self.of(self.requests, "", self.model(model), str(status)).inc()
+
+    def first_byte(self, model: str | None, seconds: float) -> None:
+        """A streamed answer's first byte, ``seconds`` after its request came."""
+        self.of(self.ttft, self.model(model)).observe(seconds)
+
+    def answered(self, engine: str, model: str | None, status: int, seconds: float,
+                 usage: tuple[int, int] | None) -> None:
+        """A request's end on ``engine``: its status, latency and, when its answer
+        reported cached tokens, (reported, predicted)."""
+        m = self.model(model)
+        self.of(self.requests, engine, m, str(status)).inc()
+        self.of(self.latency, m).observe(seconds)
+        if usage is not None:
+            reported, predicted = usage
+            self.of(self.predicted, engine, m).inc(predicted)
+            self.of(self.reported, engine, m).inc(reported)
+            self.of(self.usage_reports, engine, m).inc()
 
     def forget_engine(self, engine: str) -> None:
         """Drop an engine's series (it left the fleet)."""

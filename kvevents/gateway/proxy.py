@@ -171,7 +171,7 @@ class Gateway:
                 raise OpenAIError(503, f"the gateway has {self.inflight} requests in flight "
                                        "(max_inflight); retry shortly", headers={"Retry-After": "1"})
         except OpenAIError as exc:
-            self.metrics.requests.labels("", "", str(exc.status)).inc()
+            self.metrics.refused(None, exc.status)
             return exc.response()
         self.inflight += 1
         self.trim.started(self.inflight)
@@ -190,7 +190,7 @@ class Gateway:
             relayed = isinstance(response, Relay)
             return response
         except OpenAIError as exc:
-            self.metrics.requests.labels("", (req.model if req else None) or "", str(exc.status)).inc()
+            self.metrics.refused(req.model if req else None, exc.status)
             return exc.response()
         finally:
             if not relayed:
@@ -380,15 +380,9 @@ class Gateway:
     def _count(self, engine: str, model: str | None, status: int, t0: float,
                usage: tuple[int, int] | None) -> None:
         """One request's end: its status, latency, and (reported, predicted) cached tokens."""
-        m = model or ""
-        metrics = self.metrics
-        metrics.of(metrics.requests, engine, m, str(status)).inc()
-        metrics.of(metrics.latency, m).observe(time.perf_counter() - t0)
+        self.metrics.answered(engine, model, status, time.perf_counter() - t0, usage)
         if usage is not None:
             reported, predicted = usage
-            metrics.of(metrics.predicted, engine, m).inc(predicted)
-            metrics.of(metrics.reported, engine, m).inc(reported)
-            metrics.of(metrics.usage_reports, engine, m).inc()
             t = self.loads.of(engine)
             t.predicted_cached += predicted
             t.reported_cached += reported
@@ -440,10 +434,8 @@ class Gateway:
                 predicted: int, prefill: tuple, t0: float) -> Relay:
         """A streamed answer, relayed as the engine sends it; the relay's end releases
         the request's slot and load and counts it (see :mod:`.relay`)."""
-        m = model or ""
-
         def first() -> None:
-            self.metrics.of(self.metrics.ttft, m).observe(time.perf_counter() - t0)
+            self.metrics.first_byte(model, time.perf_counter() - t0)
 
         def end(status: int, tail: bytes) -> None:
             self.inflight -= 1

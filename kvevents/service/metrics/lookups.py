@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvevents.service.metrics.labels import ModelLabels
 from kvevents.service.view import ServiceView
 
 if TYPE_CHECKING:
@@ -39,24 +40,15 @@ class LookupMetrics(Collector):
 
     def __init__(self, view: ServiceView, registry: CollectorRegistry) -> None:
         self._view = view
-        self._models: frozenset[str] = frozenset()
+        self._models = ModelLabels(view)  # (a client's model name mints no series)
         self._lock = threading.Lock()
         self._series: dict[tuple[str, str], list] = {}  # (api, model) -> figures
         self._tiers: dict[tuple[str, str, str], float] = {}  # (api, model, tier) -> tokens
         registry.register(self)
 
-    def _model_label(self, model: str | None) -> str:
-        """The model label of a lookup: only models some engine serves (a client's
-        typo must not mint a new series)."""
-        if not model:
-            return ""
-        if model not in self._models:
-            self._models = frozenset(s.model for s in self._view.engine_specs() if s.model)
-        return model if model in self._models else ""
-
     def observe(self, api: str, seconds: float, result: LookupResult,
                 model: str | None = None) -> None:
-        labels = (api, self._model_label(model))
+        labels = (api, self._models.label(model))
         bucket = _BUCKETS + bisect_left(LATENCY_BUCKETS, seconds)
         best = result.engines[0] if result.engines else None
         with self._lock:  # lookups run on several HTTP threads
