@@ -36,6 +36,7 @@ OTHER_PROGRAMS_FLAGS = {
     # vllm serve / python -m vllm.entrypoints.openai.api_server
     "--kv-events-config", "--kv-transfer-config", "--enable-prefix-caching",
     "--enable-prompt-tokens-details", "--model", "--data-parallel-size", "--num-gpu-blocks-override",
+    "--chat-template", "--chat-template-content-format", "--trust-request-chat-template",
     # pip, docker, kubectl, curl, mkdocs, pytest, make
     "--index-url", "--target", "--build", "--no-deps", "--strict", "--upgrade",
 }

@@ -64,3 +64,72 @@ def test_typed_messages_render_as_transformers_does(tmp_path):
         plain, add_generation_prompt=True, tokenize=True)
     reference = list(reference["input_ids"] if hasattr(reference, "keys") else reference)
     assert ids is not None and ids.tolist() == reference
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}{% endfor %}"
+                  "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                  "{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+                  "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+
+
+def test_the_fields_that_change_a_chats_ids_are_read_and_change_them(tmp_path):
+    """tools, chat_template_kwargs, add_generation_prompt, add_special_tokens: read from
+    the body, rendered as the engine renders them, and a conversation seen before with
+    other fields is not taken from the recent ones."""
+    path = build_bytelevel(tmp_path / "tok")
+    tok = TextTokenizer("m", f"{path}", chat_template=TOOLS_TEMPLATE)
+    tokens = PromptTokens(TokenizerRegistry([tok]), None)  # type: ignore[arg-type]
+    convo = [{"role": "user", "content": "What is in the cache?"}]
+
+    def ids(**fields) -> list[int]:
+        req = parse_request(CHAT, json.dumps({"model": "m", "messages": convo, **fields}).encode())
+        return asyncio.run(tokens.ids(req, None)).tolist()
+
+    plain = ids()
+    assert ids(stream=True, max_tokens=9) == plain  # fields that change nothing
+    with_tools = ids(tools=TOOLS)
+    text = tok.decode(with_tools)
+    assert '"name": "lookup"' in text and text.endswith("<|im_start|>assistant\n")
+    assert with_tools[len(with_tools) - len(plain):] == plain
+    assert tok.decode(ids(chat_template_kwargs={"enable_thinking": False})).endswith("<think></think>")
+    assert tok.decode(ids(reasoning_effort="none")).endswith("<think></think>")
+    assert not tok.decode(ids(add_generation_prompt=False)).endswith("assistant\n")
+    bos = tok.prompt_ids("x").tolist()[0]
+    assert ids(add_special_tokens=True) == [bos, *plain]
+    assert ids(tools=TOOLS) == with_tools and tokens.repeats >= 1  # the recent one, same fields
+
+
+def test_chat_fields_the_gateway_cannot_read_leave_the_chat_to_the_engine():
+    req = parse_request(CHAT, json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                          "tools": [{"type": "function"}]}).encode())
+    assert req.chat is None and req.messages == [{"role": "user", "content": "x"}]
+    assert json.loads(req.options_json) == {"tools": [{"type": "function"}]}  # sent to /tokenize as given
+
+
+def test_a_completions_prompt_without_special_tokens(tmp_path):
+    from kvevents.gateway.prompt import COMPLETIONS
+
+    path = build_bytelevel(tmp_path / "tok")
+    tokens = PromptTokens(TokenizerRegistry([TextTokenizer("m", path)]), None)  # type: ignore[arg-type]
+
+    def ids(**fields) -> list[int]:
+        req = parse_request(COMPLETIONS, json.dumps({"model": "m", "prompt": "hello there", **fields}).encode())
+        return list(asyncio.run(tokens.ids(req, None)))
+
+    assert ids()[1:] == ids(add_special_tokens=False) and len(ids()) == len(ids(add_special_tokens=False)) + 1
+
+
+def test_tokenizer_options_name_the_engines_template_and_content_format(tmp_path):
+    from kvevents.text.registry import TokenizerLoadError
+
+    path = build_bytelevel(tmp_path / "tok")
+    (tmp_path / "engine.jinja").write_text(TOOLS_TEMPLATE)
+    reg = TokenizerRegistry.load([("m", f"{path},chat_template={tmp_path / 'engine.jinja'},content_format=string")])
+    tok = reg.get("m")
+    assert tok is not None and tok.chat is not None
+    assert tok.chat.source == TOOLS_TEMPLATE and tok.chat.content_format == "string"
+    assert TokenizerRegistry.load([("m", str(path))]).get("m").chat.content_format == "openai"  # its own
+    with pytest.raises(TokenizerLoadError, match="content_format"):
+        TokenizerRegistry.load([("m", f"{path},content_format=xml")])

@@ -254,6 +254,38 @@ def test_local_tokenizer_equals_engine(stack):
         assert tok.encode_chat(msgspec.convert(messages, list[ChatMessage])) == want
 
 
+def test_chat_ids_equal_the_engines_tokenize_for_every_shape(stack):
+    """The parity corpus (``tests/parity_corpus.py``) against the engine itself: for each
+    request shape that vLLM's ``/tokenize`` renders as its chat completions do (no
+    ``documents``, ``reasoning_effort`` or ``reasoning_content``, which ``/tokenize``
+    drops), the gateway's ids for the body equal the engine's."""
+    from parity_corpus import SHAPES
+
+    from kvevents.gateway.prompt import CHAT, parse_request
+    from kvevents.text import ChatTemplateError, TextTokenizer
+
+    ours = TextTokenizer(MODEL, stack["model"])
+    url = stack["by_name"][NAMES[1]].url
+    compared, refused = 0, 0
+    for name, body in SHAPES:
+        if {"documents", "reasoning_effort"} & set(body) or "reasoning_content" in json.dumps(body):
+            continue
+        resp = _post(url + "/tokenize", {"model": MODEL, **body}, timeout=30)
+        req = parse_request(CHAT, json.dumps({"model": MODEL, **body}).encode())
+        try:
+            got = ours.chat_ids(req.chat, req.options).tolist() if req.chat is not None else None
+        except ChatTemplateError:
+            got = None
+        if resp.status_code != 200:
+            assert got is None, (name, resp.text[:300])
+            refused += 1
+            continue
+        assert got == resp.json()["tokens"], name
+        compared += 1
+    assert compared >= 45, compared
+    print(f"{compared} request shapes: the gateway's ids equal the engine's /tokenize ({refused} refused by both)")
+
+
 # ---- b. routing follows the index ----------------------------------------------------------
 
 

@@ -34,7 +34,9 @@ CONVERSATION = [
     {"role": "user", "content": [{"type": "text", "text": "And when "},
                                  {"type": "text", "text": "two requests share a prefix? 東京"}]},
     {"role": "assistant", "content": None,
-     "tool_calls": [{"type": "function", "function": {"name": "route", "arguments": "{}"}}]},
+     # (arguments as an object: vLLM hands templates a parsed object, transformers the
+     # value given; tests/test_chat_parity.py checks the string form against vLLM)
+     "tool_calls": [{"type": "function", "function": {"name": "route", "arguments": {}}}]},
     {"role": "tool", "content": "engine-1", "tool_call_id": "c1"},
     {"role": "user", "content": "  spaces  \n<|im_end|> inside content\n"},
 ]

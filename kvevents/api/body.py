@@ -20,6 +20,10 @@ from fastapi import FastAPI, Request
 from kvevents.api._fastbody import lookup_body
 from kvevents.api.errors import ApiError
 from kvevents.text.chat import ChatMessage
+from kvevents.text.chat_inputs import ChatOptions, Tool
+
+_OPTION_NAMES = ("tools", "documents", "chat_template_kwargs", "add_generation_prompt",
+                 "continue_final_message", "reasoning_effort", "chat_template", "add_special_tokens")
 
 T = TypeVar("T")
 
@@ -42,6 +46,31 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
                     "`prompt` and `messages`.")] | None = None
     lora_name: Annotated[str, msgspec.Meta(
         description="LoRA adapter the prompt runs under.")] | None = None
+    # What else changes a chat's ids, as in an OpenAI chat request to vLLM (and, for
+    # add_special_tokens, a completions one): the same names, the same defaults.
+    tools: Annotated[list[Tool], msgspec.Meta(
+        description="`messages`: the request's tools, handed to the chat template.")] | None = None
+    documents: Annotated[list[dict[str, Any]], msgspec.Meta(
+        description="`messages`: documents handed to the chat template.")] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], msgspec.Meta(
+        description="`messages`: the chat template's keyword arguments (e.g. `enable_thinking`).")] | None = None
+    add_generation_prompt: Annotated[bool, msgspec.Meta(
+        description="`messages`: end with the assistant's generation prompt (default true).")] | None = None
+    continue_final_message: Annotated[bool, msgspec.Meta(
+        description="`messages`: continue the last message instead (default false).")] | None = None
+    reasoning_effort: Annotated[str, msgspec.Meta(
+        description="`messages`: as vLLM, `none` turns a template's `enable_thinking` off.")] | None = None
+    chat_template: Annotated[str, msgspec.Meta(
+        description="`messages`: the request's own chat template (an engine started with "
+                    "`--trust-request-chat-template` renders with it).")] | None = None
+    add_special_tokens: Annotated[bool, msgspec.Meta(
+        description="Add the tokenizer's special tokens (BOS...) around the text: default true "
+                    "for `prompt`, false for `messages`.")] | None = None
+
+    def chat_options(self) -> ChatOptions | None:
+        """The fields besides ``messages`` that change a chat's ids (None: none given)."""
+        given = {name: getattr(self, name) for name in _OPTION_NAMES if getattr(self, name) is not None}
+        return ChatOptions(**given) if given else None
 
 
 # A request count, bounded so sums and ratios of loads stay finite (1e308 overflowed).

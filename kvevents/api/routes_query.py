@@ -59,7 +59,8 @@ async def lookup(request: Request) -> Response:
     token_ids = await prompt_token_ids(
         request.app.state.tokenizers, agg.settings.max_prompt_tokens,
         max_chars=agg.settings.max_prompt_chars,
-        model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages)
+        model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages,
+        options=body.chat_options())
     result = await lookup_off_loop(agg, token_ids, body.model, body.lora_name, "lookup")
     return json_response(lookup_payload(result, agg.unroutable_engines()))
 

@@ -33,7 +33,8 @@ async def route(request: Request) -> Response:
     token_ids = await prompt_token_ids(
         request.app.state.tokenizers, routing.aggregator.settings.max_prompt_tokens,
         max_chars=routing.aggregator.settings.max_prompt_chars,
-        model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages)
+        model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages,
+        options=body.chat_options())
     decision = await routing.decide(token_ids, body.model, body.lora_name,
                                     requested_candidates(body))
     return json_response({

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from kvevents.gateway.errors import OpenAIError
 from kvevents.text import ChatTemplateError, TextTokenizer, TokenizerRegistry
 from kvevents.text.chat import ChatMessage
+from kvevents.text.chat_inputs import ChatOptions
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ class OpenAIRequest:
     chat: list[ChatMessage] | None = None
     messages: list[dict[str, Any]] | None = None
     messages_json: bytes = b""  # chat: the messages as the body wrote them
+    # chat: the other fields that change its ids (tools, chat_template_kwargs...; None: a
+    # plain request), and their JSON as the body wrote them (for the recent ones' key)
+    options: ChatOptions | None = None
+    options_json: bytes = b""
+    add_special_tokens: bool = True  # completions: the BOS... of a text prompt
 
     def plain_messages(self) -> list[dict[str, Any]] | None:
         """The chat messages as decoded JSON, as the body wrote them."""
@@ -63,6 +69,19 @@ class _Body(msgspec.Struct):
     stream: bool | None = None
     prompt: msgspec.Raw = msgspec.Raw()  # empty: absent
     messages: msgspec.Raw = msgspec.Raw()
+    add_special_tokens: bool | None = None
+    # chat: what else changes the rendered prompt (vLLM's names); raw until present
+    tools: msgspec.Raw = msgspec.Raw()
+    documents: msgspec.Raw = msgspec.Raw()
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw()
+    chat_template: msgspec.Raw = msgspec.Raw()
+    add_generation_prompt: msgspec.Raw = msgspec.Raw()
+    continue_final_message: msgspec.Raw = msgspec.Raw()
+    reasoning_effort: msgspec.Raw = msgspec.Raw()
+
+
+_OPTION_FIELDS = ("tools", "documents", "chat_template_kwargs", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "reasoning_effort")
 
 
 _body = msgspec.json.Decoder(_Body)
@@ -71,6 +90,7 @@ _texts = msgspec.json.Decoder(list[str])
 _id_lists = msgspec.json.Decoder(list[list[int]])
 _messages = msgspec.json.Decoder(list[dict[str, Any]])
 _chat = msgspec.json.Decoder(list[ChatMessage])
+_chat_options = msgspec.json.Decoder(ChatOptions)
 
 
 def parse_request(kind: str, body: bytes) -> OpenAIRequest:
@@ -112,9 +132,32 @@ def _parse(kind: str, body: bytes) -> OpenAIRequest:
             raise OpenAIError(400, "messages must be a non-empty array of objects", "messages")
         req.chat, req.messages = chat, messages
         req.messages_json = bytes(raw)
+        _options(req, doc)
     else:
         req.prompt = _first_prompt(doc.prompt)
+        req.add_special_tokens = doc.add_special_tokens is not False
     return req
+
+
+def _options(req: OpenAIRequest, doc: _Body) -> None:
+    """A chat's fields besides its messages that change its ids (a plain chat has none:
+    nothing is decoded). One the gateway cannot read leaves the chat to the engine's
+    ``/tokenize`` (``req.options`` stays None and ``messages`` is set)."""
+    present = [(name, raw) for name in _OPTION_FIELDS if len(raw := getattr(doc, name))]
+    if not present and doc.add_special_tokens is None:
+        return
+    parts = {name: raw for name, raw in present}
+    if doc.add_special_tokens is not None:
+        parts["add_special_tokens"] = msgspec.json.encode(doc.add_special_tokens)
+    joined = b"{" + b",".join(b'"%s":%s' % (k.encode(), bytes(v)) for k, v in parts.items()) + b"}"
+    req.options_json = joined
+    try:
+        req.options = _chat_options.decode(joined)
+    except msgspec.ValidationError as exc:
+        if req.chat is not None:  # valid JSON the engine may take: its /tokenize decides
+            req.messages = msgspec.json.decode(req.messages_json)
+            req.chat = None
+        log.debug("chat options the gateway does not read (%s); the engine's /tokenize tokenizes it", exc)
 
 
 def _first_prompt(raw: msgspec.Raw) -> str | list[int]:
@@ -154,6 +197,15 @@ async def _off_loop_if_long(size: int, fn: Callable[[Any], Sequence[int]], arg: 
 MAX_RECENT_BYTES = 32 << 20
 
 
+# The chat fields vLLM 0.32's /tokenize reads (documents and reasoning_effort it does not).
+_TOKENIZE_TAKES = ("tools", "chat_template_kwargs", "chat_template", "add_generation_prompt",
+                   "continue_final_message", "add_special_tokens")
+
+
+def _plain_ids(tok: TextTokenizer) -> Callable[[str], Sequence[int]]:
+    return lambda text: tok.prompt_ids(text, add_special_tokens=False)
+
+
 class PromptTokens:
     """Token ids of a request's prompt, locally when the model has a tokenizer, else
     from an engine's ``/tokenize``. The event loop's thread only (the encoding itself
@@ -179,8 +231,11 @@ class PromptTokens:
             try:
                 # array('q'): the index and numpy read it as it is (no int object per token).
                 if req.kind == COMPLETIONS:
+                    if not req.add_special_tokens:
+                        return await _off_loop_if_long(len(req.body), _plain_ids(tok), req.prompt)
                     return await _off_loop_if_long(len(req.body), tok.prompt_ids, req.prompt)
-                return await self._chat_ids(tok, req)
+                if req.chat is not None:
+                    return await self._chat_ids(tok, req)
             except (msgspec.ValidationError, ChatTemplateError) as exc:
                 log.debug("local tokenization of a %s request failed (%s); asking the engine",
                           req.kind, exc)
@@ -192,7 +247,7 @@ class PromptTokens:
     async def _chat_ids(self, tok: TextTokenizer, req: OpenAIRequest) -> array:
         """A chat's ids, from the recent conversations when its messages were seen as
         they are (and its template renders the same every time: no ``strftime_now``)."""
-        key = (tok.model, req.messages_json)
+        key = (tok.model, req.messages_json + req.options_json)
         recent = self._recent
         if tok.repeatable_chat:
             got = recent.get(key)
@@ -200,9 +255,11 @@ class PromptTokens:
                 recent.move_to_end(key)
                 self.repeats += 1
                 return array("q", got)  # a copy: callers may hand it on
-        # (raises ValidationError for messages that are not ChatMessages: the engine's)
-        messages = req.chat if req.chat is not None else msgspec.convert(req.messages, list[ChatMessage])
-        ids = await _off_loop_if_long(len(req.body), tok.chat_ids, messages)
+        messages, options = req.chat, req.options
+        if options is None:
+            ids = await _off_loop_if_long(len(req.body), tok.chat_ids, messages)
+        else:
+            ids = await _off_loop_if_long(len(req.body), lambda m: tok.chat_ids(m, options), messages)
         size = len(key[1]) + 8 * len(ids)
         if tok.repeatable_chat and size <= MAX_RECENT_BYTES // 64 and key not in recent:
             recent[key] = array("q", ids)
@@ -221,8 +278,13 @@ class PromptTokens:
         payload: dict[str, Any] = {"model": req.model} if req.model else {}
         if req.kind == CHAT:
             payload["messages"] = req.plain_messages()
+            if req.options_json:  # what /tokenize takes of the other fields (vLLM 0.32)
+                opts = msgspec.json.decode(req.options_json)
+                payload.update({k: opts[k] for k in _TOKENIZE_TAKES if k in opts})
         else:
             payload["prompt"] = req.prompt
+            if not req.add_special_tokens:
+                payload["add_special_tokens"] = False
         try:
             resp = await self.client.post(engine_url + "/tokenize", json=payload, timeout=self.timeout)
             resp.raise_for_status()

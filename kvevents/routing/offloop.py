@@ -27,6 +27,7 @@ from kvevents.index import IndexBusy, LookupResult
 from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
 from kvevents.text.chat import ChatMessage
+from kvevents.text.chat_inputs import ChatOptions
 from kvevents.text.limits import check_chars
 from kvevents.text.prompt import check_length, chosen_input, text_encoder
 
@@ -57,10 +58,12 @@ async def lookup(agg: Aggregator, token_ids, model: str | None, lora_name: str |
 async def prompt_token_ids(tokenizers: TokenizerRegistry, limit: int, *, max_chars: int,
                            model: str | None, token_ids: Sequence[int] | None = None,
                            prompt: str | None = None,
-                           messages: Sequence[ChatMessage] | None = None) -> Sequence[int]:
+                           messages: Sequence[ChatMessage] | None = None,
+                           options: ChatOptions | None = None) -> Sequence[int]:
     """The request's prompt as token ids (at most ``limit``); text is tokenized on the
     thread pool, once it is known to have at most ``max_chars`` characters
-    (``max_prompt_chars``: a longer one is a 400 before any tokenizer memory is spent).
+    (``max_prompt_chars``: a longer one is a 400 before any tokenizer memory is spent),
+    as vLLM would for a request with ``options`` (its ``tools``, ``add_special_tokens``...).
     Raises :class:`~kvevents.text.prompt.InputError`."""
     field = chosen_input(token_ids, prompt, messages)
     if field == "token_ids":
@@ -68,7 +71,7 @@ async def prompt_token_ids(tokenizers: TokenizerRegistry, limit: int, *, max_cha
     else:
         text = prompt if field == "prompt" else messages
         check_chars(text, max_chars, field)
-        encode = text_encoder(tokenizers, model, field, text)  # type: ignore[arg-type]
+        encode = text_encoder(tokenizers, model, field, text, options)  # type: ignore[arg-type]
         ids = await run_in_threadpool(encode)
     check_length(ids, limit, field)  # type: ignore[arg-type]
     return ids  # type: ignore[return-value]

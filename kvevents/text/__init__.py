@@ -10,8 +10,12 @@ Files, one stage each::
                   ``--tokenizer MODEL=PATH``; load errors name the model and file
     tokenizer.py  TextTokenizer: one Hugging Face tokenizer directory; prompt and chat
                   encoding, decoding for display
-    chat.py       the chat template (sandboxed jinja2, rendered as transformers does)
-                  and the messages' validation
+    chat.py       the chat template (sandboxed jinja2, rendered as vLLM's OpenAI server
+                  renders it) and the messages' validation
+    chat_inputs.py what a template is handed for a request (messages rebuilt as vLLM
+                  does, the request's tools, documents, template kwargs...)
+    chat_format.py the content format a template expects ("string" or "openai"),
+                  detected from its source as vLLM detects it
     segments.py   splits text at special tokens and caches each piece's ids (LRU), so a
                   conversation that grows turn by turn only tokenizes its new turns
 

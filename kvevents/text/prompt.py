@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvevents.text.chat import ChatMessage, ChatTemplateError
+from kvevents.text.chat_inputs import ChatOptions
 from kvevents.text.registry import TokenizerRegistry
 
 INPUTS = ("token_ids", "prompt", "messages")
@@ -39,10 +40,12 @@ def chosen_input(token_ids: object, prompt: object, messages: object) -> str:
 
 
 def text_encoder(tokenizers: TokenizerRegistry, model: str | None, field: str,
-                 value: str | Sequence[ChatMessage]) -> Callable[[], Sequence[int]]:
+                 value: str | Sequence[ChatMessage], options: ChatOptions | None = None
+                 ) -> Callable[[], Sequence[int]]:
     """A call that tokenizes ``value`` (a prompt, or chat messages) with ``model``'s
-    tokenizer. Raises :class:`InputError` now when there is no such tokenizer; the call
-    raises it for messages the chat template refuses."""
+    tokenizer, as vLLM does for a request with ``options``. Raises :class:`InputError`
+    now when there is no such tokenizer; the call raises it for messages the chat
+    template refuses."""
     tok = tokenizers.get(model)
     if tok is None:
         known = ", ".join(tokenizers.models()) or "none configured"
@@ -53,11 +56,12 @@ def text_encoder(tokenizers: TokenizerRegistry, model: str | None, field: str,
                               f"add one with serve --tokenizer MODEL=PATH)", "model")
     # array('q'): the index reads it as it is (see TextTokenizer.prompt_ids).
     if field == "prompt":
-        return lambda: tok.prompt_ids(value)  # type: ignore[arg-type]
+        special = options is None or options.add_special_tokens is not False
+        return lambda: tok.prompt_ids(value, special)  # type: ignore[arg-type]
 
     def encode_chat() -> Sequence[int]:
         try:
-            return tok.chat_ids(value)  # type: ignore[arg-type]
+            return tok.chat_ids(value, options)  # type: ignore[arg-type]
         except ChatTemplateError as exc:
             raise InputError(422, f"messages: {exc}", "messages") from None
     return encode_chat

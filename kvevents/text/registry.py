@@ -4,6 +4,12 @@ Built once when the server starts from ``--tokenizer MODEL=PATH`` (or
 ``KVEVENTS_TOKENIZERS`` / the config file's ``tokenizers``); every tokenizer is loaded
 then, so a bad path stops the server at startup with one line naming the model and
 file, not at the first request. Read-only afterwards.
+
+PATH may carry the engine's own rendering settings, comma-separated after the
+directory, for an engine that does not render with the directory's template:
+``chat_template=FILE`` (vLLM's ``--chat-template``: a file, or the template's text) and
+``content_format=string|openai`` (vLLM's ``--chat-template-content-format``), e.g.
+``--tokenizer llama=/models/llama,chat_template=/models/tool_chat.jinja``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,26 @@ from kvevents.text.tokenizer import TextTokenizer
 
 class TokenizerLoadError(ValueError):
     """A configured tokenizer could not be loaded (message names model and file)."""
+
+
+_OPTIONS = {"chat_template": "chat_template", "content_format": "content_format"}
+
+
+def split_options(given: str) -> tuple[str, dict[str, str]]:
+    """``DIR[,chat_template=FILE][,content_format=FORMAT]`` -> (DIR, options). A part
+    that is not ``KEY=VALUE`` with a known key stays in the directory (a path may hold a
+    comma). Raises ValueError for a bad content format."""
+    parts = given.split(",")
+    cut = len(parts)
+    while cut > 1 and parts[cut - 1].partition("=")[0].strip() in _OPTIONS and "=" in parts[cut - 1]:
+        cut -= 1
+    options = {}
+    for part in parts[cut:]:
+        key, _, value = part.partition("=")
+        options[_OPTIONS[key.strip()]] = value.strip()
+    if options.get("content_format", "auto") not in ("auto", "string", "openai"):
+        raise ValueError(f"content_format must be auto, string or openai, got {options['content_format']!r}")
+    return ",".join(parts[:cut]).strip(), options
 
 
 class TokenizerRegistry:
@@ -33,7 +59,11 @@ class TokenizerRegistry:
         for model in models:
             if models.count(model) > 1:
                 raise TokenizerLoadError(f"tokenizer for model {model!r} given more than once")
-        for model, directory in specs:
+        for model, given in specs:
+            try:
+                directory, _ = split_options(given)
+            except ValueError as exc:
+                raise TokenizerLoadError(f"tokenizer for model {model!r}: {exc}") from None
             if not Path(directory).is_dir():
                 raise TokenizerLoadError(
                     f"tokenizer for model {model!r}: {directory} is not a directory")
@@ -46,9 +76,10 @@ class TokenizerRegistry:
                     f"--tokenizer needs the 'text' extra ({exc.name} is missing): "
                     "pip install 'kvevents[text]'") from None
         loaded = []
-        for model, directory in specs:
+        for model, given in specs:
+            directory, options = split_options(given)
             try:
-                loaded.append(TextTokenizer(model, directory, cache_tokens))
+                loaded.append(TextTokenizer(model, directory, cache_tokens, **options))
             except (ValueError, OSError) as exc:
                 raise TokenizerLoadError(f"tokenizer for model {model!r}: {exc}") from None
         return cls(loaded)

@@ -6,9 +6,11 @@ the config's template, as in ``transformers``).
 
 * :meth:`TextTokenizer.encode_prompt` equals ``AutoTokenizer(...)(prompt)["input_ids"]``:
   the text's ids with the special tokens the tokenizer's post-processor adds (a BOS...).
-* :meth:`TextTokenizer.encode_chat` equals ``apply_chat_template(messages,
-  add_generation_prompt=True, tokenize=True)``: the rendered template's ids, nothing
-  added (the template writes its own special tokens).
+* :meth:`TextTokenizer.encode_chat` equals the ids vLLM 0.32's OpenAI server computes
+  for a chat request (:class:`~kvevents.text.chat_inputs.ChatOptions`: its ``tools``,
+  ``chat_template_kwargs``...; by default, ``apply_chat_template(messages,
+  add_generation_prompt=True, tokenize=True)``): the rendered template's ids, special
+  tokens added only with ``add_special_tokens`` (the template writes its own).
 * :meth:`~TextTokenizer.prompt_ids` and :meth:`~TextTokenizer.chat_ids`: the same ids
   as ``array('q')``, for callers that hand them to the index (no Python int per token).
 
@@ -25,11 +27,14 @@ piece cache (thread-safe). Construction raises ``ValueError`` with the file at f
 from __future__ import annotations
 
 import json
+import threading
 from array import array
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from kvevents.text.chat import ChatMessage, ChatTemplate, ChatTemplateError
+from kvevents.text.chat_inputs import ChatOptions
 from kvevents.text.segments import SegmentEncoder, batch_encoder
 from kvevents.text.words import WordEncoder, split_pattern, word_tokenizer
 
@@ -61,6 +66,21 @@ def _template_source(directory: Path, config: dict) -> str | None:
     return None
 
 
+_REQUEST_TEMPLATES = 16  # request-brought templates kept compiled per tokenizer
+
+
+def _engine_template(given: str) -> str:
+    """An engine's ``--chat-template`` as vLLM reads it: a file's contents when it names a
+    readable file, else the template itself."""
+    try:
+        path = Path(given)
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):  # a template's text is no path (too long, NUL...)
+        pass
+    return given
+
+
 def _first_piece_special(tokenizer_json: dict) -> bool:
     """True when a component treats the first piece of the input differently
     (Metaspace ``prepend_scheme="first"``), which rules out piecewise encoding."""
@@ -84,7 +104,11 @@ def _first_piece_special(tokenizer_json: dict) -> bool:
 class TextTokenizer:
     """See the module docstring."""
 
-    def __init__(self, model: str, directory: str | Path, cache_tokens: int = 2_000_000) -> None:
+    def __init__(self, model: str, directory: str | Path, cache_tokens: int = 2_000_000,
+                 chat_template: str | None = None, content_format: str = "auto") -> None:
+        """``chat_template``: the template the engine renders with when it is not the
+        directory's (vLLM's ``--chat-template``: a file's path or the template itself);
+        ``content_format``: the engine's ``--chat-template-content-format``."""
         from tokenizers import Tokenizer
 
         self.model = model
@@ -108,11 +132,16 @@ class TextTokenizer:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{config_path}: invalid JSON ({exc})") from None
         special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
-        source = _template_source(self.directory, config)
+        self._special = special
+        self._content_format = content_format
+        source = _engine_template(chat_template) if chat_template else _template_source(self.directory, config)
         try:
-            self.chat = ChatTemplate(source, special) if source else None
+            self.chat = ChatTemplate(source, special, content_format) if source else None
         except ChatTemplateError as exc:
-            raise ValueError(f"{self.directory}: {exc}") from None
+            raise ValueError(f"{chat_template or self.directory}: {exc}") from None
+        # Templates a request brought (``chat_template``), compiled once each (bounded).
+        self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+        self._lock = threading.Lock()
 
         added = tok.get_added_tokens_decoder()
         split = [t.content for t in added.values()
@@ -178,9 +207,12 @@ class TextTokenizer:
         """Ids of a plain prompt, special tokens added as the tokenizer defines."""
         return self.prompt_ids(prompt).tolist()
 
-    def prompt_ids(self, prompt: str) -> array:
+    def prompt_ids(self, prompt: str, add_special_tokens: bool = True) -> array:
         """:meth:`encode_prompt` as ``array('q')``: what the index reads as it is, without
-        a Python int per token (``tolist`` of a 600-token prompt costs ~17 us)."""
+        a Python int per token (``tolist`` of a 600-token prompt costs ~17 us).
+        ``add_special_tokens=False`` (a request's own): the text's ids alone."""
+        if not add_special_tokens:
+            return self._pieces.encode(prompt)
         if self._prefix is None:  # GIL released, no offsets (see segments.py)
             return array("q", self._whole([prompt], add_special_tokens=True)[0].ids)
         ids = self._pieces.encode(prompt)
@@ -188,20 +220,42 @@ class TextTokenizer:
             return ids
         return array("q", self._prefix) + ids + array("q", self._suffix)
 
-    def render_chat(self, messages: list[ChatMessage]) -> str:
-        """The prompt text of a conversation. Raises :class:`ChatTemplateError`
-        (also when the tokenizer has no chat template)."""
+    def template_for(self, options: ChatOptions | None = None) -> ChatTemplate:
+        """The template a request renders with: its own ``chat_template`` (an engine
+        started with ``--trust-request-chat-template`` uses it; one that is not refuses
+        the request), else the engine's. Raises :class:`ChatTemplateError`."""
+        source = options.chat_template if options is not None else None
+        if source:
+            with self._lock:  # (chat_ids runs on worker threads too)
+                got = self._request_templates.get(source)
+            if got is None:
+                got = ChatTemplate(source, self._special, self._content_format)
+                with self._lock:
+                    self._request_templates[source] = got
+                    if len(self._request_templates) > _REQUEST_TEMPLATES:
+                        self._request_templates.popitem(last=False)
+            return got
         if self.chat is None:
             raise ChatTemplateError(f"the tokenizer of model {self.model!r} has no chat template")
-        return self.chat.render(messages)
+        return self.chat
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        """Ids of a conversation rendered with the chat template, generation prompt added."""
-        return self.chat_ids(messages).tolist()
+    def render_chat(self, messages: list[ChatMessage], options: ChatOptions | None = None) -> str:
+        """The prompt text of a conversation, as vLLM renders it for a request with
+        ``options`` (default: a plain request). Raises :class:`ChatTemplateError`
+        (also when the tokenizer has no chat template)."""
+        return self.template_for(options).render(messages, options)
 
-    def chat_ids(self, messages: list[ChatMessage]) -> array:
+    def encode_chat(self, messages: list[ChatMessage], options: ChatOptions | None = None) -> list[int]:
+        """Ids of a conversation as vLLM computes them for a chat request (see
+        :meth:`render_chat`)."""
+        return self.chat_ids(messages, options).tolist()
+
+    def chat_ids(self, messages: list[ChatMessage], options: ChatOptions | None = None) -> array:
         """:meth:`encode_chat` as ``array('q')`` (see :meth:`prompt_ids`)."""
-        return self.encode_rendered(self.render_chat(messages))
+        text = self.render_chat(messages, options)
+        if options is not None and options.add_special_tokens:
+            return self.prompt_ids(text)
+        return self.encode_rendered(text)
 
     def encode_rendered(self, text: str) -> array:
         """Ids of an already rendered chat text (no special tokens added)."""

@@ -1,0 +1,130 @@
+"""Token parity with vLLM 0.32: every chat request shape, rendered and tokenized by us and
+by vLLM's own OpenAI request handling, gives the same ids.
+
+The reference is vLLM's code, in this process: the request validated as vLLM's server
+validates it (``ChatCompletionRequest``: ``reasoning_content`` renamed, tools dumped), its
+chat parameters built by the request (``build_chat_params``, the tools as the server's
+defaults), and rendered by vLLM's ``HfRenderer`` (content format detection, message
+parsing, developer roles, ``apply_chat_template`` with vLLM's kwargs filter), then
+tokenized with the request's ``add_special_tokens``. Ours: :class:`TextTokenizer` with
+the template as the engine's (``chat_template=``, vLLM's ``--chat-template``) and the
+request's :class:`ChatOptions` as the gateway reads them from the body.
+
+Four templates (``tests/parity_corpus.py`` and the tiny model's own ChatML-like one)
+times the request shapes there (``SHAPES``: contents as strings and parts, several
+and empty parts, null contents, system / developer / tool / assistant messages with
+``tool_calls``, tools with nested JSON schemas, ``chat_template_kwargs``,
+``continue_final_message``, ``add_generation_prompt: false``, ``add_special_tokens``,
+``documents``, ``reasoning_effort``, unicode and whitespace edges). A shape vLLM
+refuses must be refused by us too (an error, not other ids).
+
+Needs the ``vllm`` extra; skips without it, fails under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from parity_corpus import SHAPES, TEMPLATES
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("CI=true but vLLM is missing: run `make test CI=true` (installs the vllm extra)")
+    pytest.skip("vLLM is not installed (the vllm extra)", allow_module_level=True)
+
+TEMPLATE_NAMES = [*TEMPLATES, "tiny"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from kvevents.demo.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("parity") / "tiny", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_render(model_dir):
+    """vLLM's own request handling for a chat body and a server template: ids or the
+    error it answers with."""
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.hf import HfRenderer
+    from vllm.tokenizers import get_tokenizer
+
+    t0 = time.monotonic()
+    config = VllmConfig(model_config=ModelConfig(model=str(model_dir), tokenizer=str(model_dir),
+                                                 max_model_len=4096))
+    tokenizer = get_tokenizer(str(model_dir))
+    renderer = HfRenderer(config, tokenizer)
+    print(f"\nvLLM's renderer ready in {time.monotonic() - t0:.1f} s")
+
+    def render(body: dict, template: str | None) -> list[int] | Exception:
+        try:
+            req = ChatCompletionRequest.model_validate({"model": "tiny", **body})
+            tools = None if req.tools is None else [t.model_dump() for t in req.tools]
+            # as the server's preprocess_chat: the tools and tokenize=False as defaults
+            params = req.build_chat_params(template, "auto").with_defaults({"tools": tools, "tokenize": False})
+            _, prompt = renderer.render_messages(req.messages, params)
+            return tokenizer(prompt["prompt"], add_special_tokens=req.add_special_tokens)["input_ids"]
+        except Exception as exc:  # noqa: BLE001 - what vLLM answers 400 with
+            return exc
+
+    return render
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir):
+    from kvevents.demo.tiny_model import CHAT_TEMPLATE
+    from kvevents.text import TextTokenizer
+
+    return {name: TextTokenizer("tiny", model_dir, chat_template=TEMPLATES.get(name, CHAT_TEMPLATE))
+            for name in TEMPLATE_NAMES}
+
+
+def _our_ids(tok, body: dict) -> list[int] | Exception:
+    """Our ids as the gateway computes them from the body."""
+    from kvevents.gateway.prompt import CHAT, parse_request
+    from kvevents.text import ChatTemplateError
+
+    req = parse_request(CHAT, json.dumps({"model": "tiny", **body}).encode())
+    if req.chat is None:  # not a chat the gateway tokenizes: the engine's /tokenize does
+        return ValueError("left to the engine")
+    try:
+        return tok.chat_ids(req.chat, req.options).tolist()
+    except ChatTemplateError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("template", TEMPLATE_NAMES)
+def test_every_request_shape_gives_vllms_ids(template, vllm_render, ours):
+    from kvevents.demo.tiny_model import CHAT_TEMPLATE
+
+    source = TEMPLATES.get(template, CHAT_TEMPLATE)
+    differ, refused_both = [], 0
+    for name, body in SHAPES:
+        want, got = vllm_render(body, source), _our_ids(ours[template], body)
+        if isinstance(want, Exception) or isinstance(got, Exception):
+            if isinstance(want, Exception) and isinstance(got, Exception):
+                refused_both += 1
+                continue
+            differ.append((name, f"vLLM: {want!r:.200}", f"ours: {got!r:.200}"))
+        elif got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            differ.append((name, f"first difference at id {at} of {len(want)}"))
+    assert not differ, differ
+    assert refused_both <= 3, refused_both  # (the shapes are meant to render)
+    print(f"{template}: {len(SHAPES)} shapes, ids equal to vLLM's ({refused_both} refused by both)")
+
+
+def test_the_corpus_is_large_and_covers_the_formats(ours):
+    from kvevents.text.chat_format import OPENAI, STRING
+
+    assert len(SHAPES) >= 60
+    formats = {name: ours[name].chat.content_format for name in TEMPLATE_NAMES}
+    assert formats["parts"] == OPENAI and formats["tools"] == STRING and formats["thinking"] == STRING, formats
