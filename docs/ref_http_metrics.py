@@ -287,6 +287,7 @@ LABEL_SOURCES = {
     "status": "The HTTP status of the answer (the gateway's own, or the engine's it relayed; "
               "`499` a client that left, `502` an engine that broke off).",
     "api": "`lookup` or `route`: which endpoint served the lookup.",
+    "result": "`match` or `mismatch`: a token-parity check's outcome.",
     "tier": "The cache tier of the blocks, as the engines' events name it (`GPU`, `CPU`, ...).",
     "type": "The event's type (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`).",
     "kind": "A fixed set of failure kinds, named by the family's help.",

@@ -10,7 +10,8 @@ connection is closed after that many chunks (an engine that dies mid-answer);
 ``fake_break_at_end``: closed after ``[DONE]``, before the chunked body's end marker. A stream counts as *open*
 from its request until its last byte is written or its connection is lost (the gateway
 closed it). It stops writing while the gateway's socket is full (backpressure) and
-resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``GET /stats``:
+resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``POST /tokenize``
+(a chat's ids, ``transformers``' own) when started with a tokenizer. ``GET /stats``:
 ``{"open", "peak", "started", "finished", "aborted"}`` (``/stats/reset``: the same, then
 the peak starts again from the streams open now).
 
@@ -35,6 +36,9 @@ _METRICS = (b"vllm:num_requests_waiting 0\nvllm:num_requests_running %d\n"
 class Stats:
     def __init__(self) -> None:
         self.open = self.peak = self.started = self.finished = self.aborted = 0
+        self.tokenized = 0  # /tokenize answers
+        # (messages dicts, add_generation_prompt) -> ids: set by EngineThread(tokenizer=...)
+        self.tokenize = None
 
     def as_dict(self) -> dict:
         return {"open": self.open, "peak": self.peak, "started": self.started,
@@ -100,6 +104,15 @@ class _Conn(asyncio.Protocol):
             self._reply(200, b"application/json", b"{}")
         elif method == b"GET" and self.url == b"/v1/models":
             self._reply(200, b"application/json", b'{"object":"list","data":[{"id":"fake"}]}')
+        elif method == b"POST" and self.url == b"/tokenize" and self.stats.tokenize is not None:
+            try:
+                doc = json.loads(b"".join(self.body))
+                ids = self.stats.tokenize(doc["messages"], doc.get("add_generation_prompt", True))
+            except (ValueError, KeyError, TypeError) as exc:
+                self._reply(400, b"application/json", json.dumps({"error": str(exc)}).encode())
+                return
+            self.stats.tokenized += 1
+            self._reply(200, b"application/json", json.dumps({"count": len(ids), "tokens": ids}).encode())
         elif method == b"POST" and self.url in (b"/v1/chat/completions", b"/v1/completions"):
             try:
                 doc = json.loads(b"".join(self.body))
@@ -187,10 +200,23 @@ class EngineThread:
     """Fake engines on one event loop thread, one per port of ``ports``, counted together
     in ``stats`` (read live: their sum, so ``peak`` is the fleet's)."""
 
-    def __init__(self, ports: list[int]) -> None:
+    def __init__(self, ports: list[int], tokenizer: str | None = None, template: str | None = None) -> None:
+        """``tokenizer``: a tokenizer directory; then ``POST /tokenize`` answers a chat's
+        ids as ``transformers``' ``apply_chat_template`` gives them (with ``template``
+        instead of the directory's, if given)."""
         self.ports = ports
         self.urls = [f"http://127.0.0.1:{p}" for p in ports]
         self.stats = Stats()
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            auto = AutoTokenizer.from_pretrained(tokenizer)
+
+            def tokenize(messages: list, generation: bool) -> list[int]:
+                out = auto.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                               add_generation_prompt=generation)
+                return list(out["input_ids"] if hasattr(out, "keys") else out)
+            self.stats.tokenize = tokenize
         self._started = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

@@ -286,6 +286,18 @@ def test_chat_ids_equal_the_engines_tokenize_for_every_shape(stack):
     print(f"{compared} request shapes: the gateway's ids equal the engine's /tokenize ({refused} refused by both)")
 
 
+def test_live_parity_checks_match_the_engine(stack):
+    """The gateway's own live check (kvevents/gateway/parity.py) asked a real engine's
+    /tokenize about the first requests of the model: every check a match, ids local."""
+    gw = stack["gw"]
+    text = _metrics(gw)
+    assert _metric(text, "kvevents_gateway_token_parity_checks_total", result="match") >= 1, \
+        [line for line in text.splitlines() if "parity" in line]
+    assert _metric(text, "kvevents_gateway_token_parity_checks_total", result="mismatch") == 0
+    states = [e["gateway"]["token_parity"] for e in httpx.get(gw + "/v1/engines").json()["engines"]]
+    assert all(s is not None and s["ids"] == "local" and s["mismatches"] == 0 for s in states), states
+
+
 # ---- b. routing follows the index ----------------------------------------------------------
 
 

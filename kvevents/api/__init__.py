@@ -61,7 +61,9 @@ def create_app(
             api_key=settings.api_key, timeout_s=settings.request_timeout_s,
             max_inflight=settings.max_inflight, poll_interval_s=settings.engine_poll_interval_s,
             busy_poll_interval_s=settings.engine_poll_busy_interval_s,
-            max_prompt_tokens=settings.max_prompt_tokens, max_prompt_chars=settings.max_prompt_chars)
+            max_prompt_tokens=settings.max_prompt_tokens, max_prompt_chars=settings.max_prompt_chars,
+            token_parity_sample_rate=settings.token_parity_sample_rate,
+            token_parity_threshold=settings.token_parity_threshold)
         await app.state.gateway.start()
         try:
             yield

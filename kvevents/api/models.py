@@ -8,7 +8,7 @@ documented here but encoded straight from the index's msgspec results.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -73,6 +73,18 @@ class EngineCreate(_Strict):
                                                "gateway routes OpenAI requests to it.")
 
 
+class TokenParityView(BaseModel):
+    ids: str = Field(description="`local`: requests are routed with the gateway's own ids; "
+                                 "`engine`: with the engines' /tokenize ids, after mismatches.")
+    checks: int
+    mismatches: int
+    mismatches_in_a_row: int
+    mismatch_reasons: dict[str, int] = Field(description="Mismatches by reason: special_tokens, "
+                                                         "tools, content_format, template.")
+    last_mismatch: dict[str, Any] | None = Field(description="The last mismatch: engine, reason, "
+                                                             "first differing position, lengths.")
+
+
 class GatewayView(BaseModel):
     reachable: bool = Field(description="Its OpenAI server answered the last poll or request.")
     inflight: int = Field(description="Requests in flight from this gateway.")
@@ -85,6 +97,9 @@ class GatewayView(BaseModel):
     reported_cached_tokens: int = Field(description="What the engine reported for them "
                                                     "(usage.prompt_tokens_details.cached_tokens).")
     usage_reports: int
+    token_parity: TokenParityView | None = Field(
+        None, description="Its model's token parity: the gateway's ids checked against the "
+                          "engines' /tokenize (null: no check yet).")
 
 
 class EngineOut(BaseModel):

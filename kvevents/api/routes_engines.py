@@ -43,7 +43,9 @@ def with_gateway(request: Request, engines: list[dict]) -> list[dict]:
                                 "last_error": t.last_error,
                                 "predicted_cached_tokens": t.predicted_cached,
                                 "reported_cached_tokens": t.reported_cached,
-                                "usage_reports": t.usage_reports}
+                                "usage_reports": t.usage_reports,
+                                # (its model's: the gateway's ids against the engines')
+                                "token_parity": gateway.parity.state(entry.get("model"))}
     return engines
 
 

@@ -151,6 +151,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-poll-interval", type=float, default=None, dest="engine_poll_interval_s",
                    metavar="SECONDS", help="seconds between reads of each engine's /metrics "
                                            "(default: {default})")
+    p.add_argument("--token-parity-sample-rate", type=float, default=None, metavar="SHARE",
+                   help="gateway: the share of requests whose ids are checked against the "
+                        "engine's /tokenize, besides each model's first; 0: none (default: {default})")
+    p.add_argument("--token-parity-threshold", type=int, default=None, metavar="N",
+                   help="gateway: mismatches in a row after which a model is routed with the "
+                        "engines' /tokenize ids until a check matches (default: {default})")
     p.add_argument("--engine-poll-busy-interval", type=float, default=None,
                    dest="engine_poll_busy_interval_s", metavar="SECONDS",
                    help="the same while the gateway has requests in flight; shorter: replicas "
@@ -258,6 +264,8 @@ def _serve(args: argparse.Namespace) -> int:
             header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
             engine_poll_interval_s=args.engine_poll_interval_s,
             engine_poll_busy_interval_s=args.engine_poll_busy_interval_s,
+            token_parity_sample_rate=args.token_parity_sample_rate,
+            token_parity_threshold=args.token_parity_threshold,
             route_load_weight=args.route_load_weight, route_max_imbalance=args.route_max_imbalance,
             route_affinity_weight=args.route_affinity_weight,
             route_balance_weight=args.route_balance_weight,

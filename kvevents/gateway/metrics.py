@@ -14,6 +14,8 @@ kvevents_gateway_reported_cached_tokens_total  what the engine reported
                                                for the same requests {engine, model_name}
 kvevents_gateway_usage_reports_total           requests whose answer carried cached_tokens
 kvevents_gateway_untokenized_total             prompts routed by load alone (no ids)
+kvevents_gateway_token_parity_checks_total     the gateway's ids against the engine's
+                                               /tokenize {engine, model_name, result, reason}
 kvevents_gateway_connections_closed_total      HTTP connections the server closed on a
                                                hostile client {reason: header_timeout,
                                                body_timeout, evicted, over_capacity}
@@ -75,6 +77,10 @@ class GatewayMetrics:
         self._children: dict[tuple, object] = {}  # see of()
         self.untokenized = Counter("kvevents_gateway_untokenized_total", "Prompts routed by load "
                                    "alone: no token ids", registry=registry)
+        self.parity = Counter("kvevents_gateway_token_parity_checks_total", "The gateway's ids for a "
+                              "request compared with the engine's /tokenize ids for it (result: match, "
+                              "mismatch; reason of a mismatch: special_tokens, tools, content_format, "
+                              "template)", ["engine", "model_name", "result", "reason"], registry=registry)
 
     def model(self, model: str | None) -> str:
         """The ``model_name`` label of a request's model (never the client's own string
@@ -116,10 +122,14 @@ class GatewayMetrics:
             self.of(self.reported, engine, m).inc(reported)
             self.of(self.usage_reports, engine, m).inc()
 
+    def parity_checked(self, engine: str, model: str | None, result: str, reason: str) -> None:
+        """One token-parity check (see :mod:`kvevents.gateway.parity`)."""
+        self.of(self.parity, engine, self.model(model), result, reason).inc()
+
     def forget_engine(self, engine: str) -> None:
         """Drop an engine's series (it left the fleet)."""
         self._children.clear()  # (kept ones may be an engine's that goes now)
-        for metric in (self.requests, self.predicted, self.reported, self.usage_reports):
+        for metric in (self.requests, self.predicted, self.reported, self.usage_reports, self.parity):
             for labels in [k for k in list(metric._metrics) if k[0] == engine]:  # noqa: SLF001
                 metric.remove(*labels)
         try:

@@ -17,6 +17,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -24,6 +25,7 @@ import msgspec
 from starlette.concurrency import run_in_threadpool
 
 from kvevents.gateway.errors import OpenAIError
+from kvevents.gateway.parity import TokenParity
 from kvevents.text import ChatTemplateError, TextTokenizer, TokenizerRegistry
 from kvevents.text.chat import ChatMessage
 from kvevents.text.chat_inputs import ChatOptions
@@ -202,6 +204,13 @@ _TOKENIZE_TAKES = ("tools", "chat_template_kwargs", "chat_template", "add_genera
                    "continue_final_message", "add_special_tokens")
 
 
+def _shape(req: OpenAIRequest) -> tuple[bool, bool]:
+    """(has tools, has content parts): what a parity mismatch's reason reads."""
+    tools = bool(req.options is not None and req.options.tools)
+    parts = bool(req.chat) and any(isinstance(m.content, list) for m in req.chat or ())
+    return tools, parts
+
+
 def _plain_ids(tok: TextTokenizer) -> Callable[[str], Sequence[int]]:
     return lambda text: tok.prompt_ids(text, add_special_tokens=False)
 
@@ -212,37 +221,59 @@ class PromptTokens:
     may run on a worker thread)."""
 
     def __init__(self, tokenizers: TokenizerRegistry, client: httpx.AsyncClient,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, parity: TokenParity | None = None) -> None:
         self.tokenizers = tokenizers
         self.client = client
         self.timeout = timeout
+        self.parity = parity  # live checks of the local ids against the engines' (None: off)
         self.failures = 0  # prompts routed without ids
         self.repeats = 0  # conversations whose ids came from the recent ones
         self._told: set[str] = set()
         self._recent: OrderedDict[tuple[str, bytes], array] = OrderedDict()
         self._recent_bytes = 0
 
-    async def ids(self, req: OpenAIRequest, engine_url: str | None) -> Sequence[int] | None:
-        """The ids, or None when they cannot be had (routed by load alone)."""
+    async def ids(self, req: OpenAIRequest, engine_url: str | None, engine: str = "") -> Sequence[int] | None:
+        """The ids, or None when they cannot be had (routed by load alone). ``engine``
+        (its name) and ``engine_url``: an engine serving the model, asked when there is no
+        local tokenizer, and for the parity checks (:mod:`.parity`)."""
         if req.kind == COMPLETIONS and isinstance(req.prompt, list):
             return req.prompt
         tok = self.tokenizers.get(req.model)
         if tok is not None:
-            try:
-                # array('q'): the index and numpy read it as it is (no int object per token).
-                if req.kind == COMPLETIONS:
-                    if not req.add_special_tokens:
-                        return await _off_loop_if_long(len(req.body), _plain_ids(tok), req.prompt)
-                    return await _off_loop_if_long(len(req.body), tok.prompt_ids, req.prompt)
-                if req.chat is not None:
-                    return await self._chat_ids(tok, req)
-            except (msgspec.ValidationError, ChatTemplateError) as exc:
-                log.debug("local tokenization of a %s request failed (%s); asking the engine",
-                          req.kind, exc)
+            parity = self.parity if engine_url is not None else None
+            if parity is not None and parity.engine_ids(req.model):
+                # Local ids differed from the engine's: route with the engine's, and
+                # compare a sample with the local ones (a match returns to them).
+                theirs = await self._ask(req, engine_url)  # type: ignore[arg-type]
+                if theirs is not None:
+                    if parity.due(req.model):
+                        ours = await self._local(tok, req)
+                        if ours is not None:
+                            parity.record(engine, req.model, ours, theirs, *_shape(req))
+                    return theirs
+            ours = await self._local(tok, req)
+            if ours is not None:
+                if parity is not None and parity.due(req.model):
+                    parity.check(engine, req.model, ours, partial(self._ask, req, engine_url), *_shape(req))
+                return ours
         if engine_url is None:
             self.failures += 1
             return None
         return await self._remote(req, engine_url)
+
+    async def _local(self, tok: TextTokenizer, req: OpenAIRequest) -> Sequence[int] | None:
+        """The ids from the model's own tokenizer (None: a request it cannot render)."""
+        try:
+            # array('q'): the index and numpy read it as it is (no int object per token).
+            if req.kind == COMPLETIONS:
+                if not req.add_special_tokens:
+                    return await _off_loop_if_long(len(req.body), _plain_ids(tok), req.prompt)
+                return await _off_loop_if_long(len(req.body), tok.prompt_ids, req.prompt)
+            if req.chat is not None:
+                return await self._chat_ids(tok, req)
+        except (msgspec.ValidationError, ChatTemplateError) as exc:
+            log.debug("local tokenization of a %s request failed (%s); asking the engine", req.kind, exc)
+        return None
 
     async def _chat_ids(self, tok: TextTokenizer, req: OpenAIRequest) -> array:
         """A chat's ids, from the recent conversations when its messages were seen as
@@ -275,6 +306,13 @@ class PromptTokens:
             self._told.add(key)
             log.info("no local tokenizer for model %r: asking the engines' /tokenize (one more "
                      "hop per request; serve --tokenizer %s=DIR avoids it)", req.model, req.model or "MODEL")
+        got = await self._ask(req, engine_url)
+        if got is None:
+            self.failures += 1
+        return got
+
+    async def _ask(self, req: OpenAIRequest, engine_url: str) -> list[int] | None:
+        """The engine's ``/tokenize`` ids for the request (None: it could not say)."""
         payload: dict[str, Any] = {"model": req.model} if req.model else {}
         if req.kind == CHAT:
             payload["messages"] = req.plain_messages()
@@ -293,5 +331,4 @@ class PromptTokens:
                 return tokens
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.debug("engine /tokenize failed: %s", exc)
-        self.failures += 1
         return None

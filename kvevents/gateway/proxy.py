@@ -52,6 +52,7 @@ from kvevents.gateway.inflight import InflightPrompts
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.memory import MemoryTrim
 from kvevents.gateway.metrics import GatewayMetrics
+from kvevents.gateway.parity import TokenParity
 from kvevents.gateway.pool import UpstreamPool
 from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
 from kvevents.gateway.relay import BODY, Relay, client_gone
@@ -80,7 +81,8 @@ class Gateway:
                  api_key: str | None = None, timeout_s: float = 600.0, max_inflight: int = 1024,
                  poll_interval_s: float = 1.0, busy_poll_interval_s: float | None = 1.0,
                  prefill_tokens_per_request: int = 2048, max_prompt_tokens: int = 1_000_000,
-                 max_prompt_chars: int = 4_000_000) -> None:
+                 max_prompt_chars: int = 4_000_000, token_parity_sample_rate: float = 0.01,
+                 token_parity_threshold: int = 3) -> None:
         self.router = router
         self.aggregator = router.aggregator
         self.tokenizers = tokenizers
@@ -100,6 +102,8 @@ class Gateway:
         self.client: httpx.AsyncClient | None = None  # polls, /tokenize, /v1/models
         self.upstream = UpstreamPool()  # the proxied requests themselves
         self.tokens: PromptTokens | None = None
+        # Local ids checked against the engines' /tokenize (see parity.py)
+        self.parity = TokenParity(metrics.parity_checked, token_parity_sample_rate, token_parity_threshold)
         self._poller: asyncio.Task | None = None
         self._known: set[str] = set()  # targets at the last poll
 
@@ -109,7 +113,7 @@ class Gateway:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
-        self.tokens = PromptTokens(self.tokenizers, self.client)
+        self.tokens = PromptTokens(self.tokenizers, self.client, parity=self.parity)
         self._poller = asyncio.create_task(self.loads.poll_forever(
             self.client, self._metrics_urls, self.poll_interval_s, self.busy_poll_interval_s),
             name="kvevents-gateway-poll")
@@ -121,6 +125,7 @@ class Gateway:
                 await self._poller
             except asyncio.CancelledError:
                 pass
+        await self.parity.stop()
         if self.client is not None:
             await self.client.aclose()
         self.upstream.close()
@@ -223,7 +228,7 @@ class Gateway:
         by_name = {s.name: s for s in reachable}
         assert self.tokens is not None
         try:
-            ids = await self.tokens.ids(req, reachable[0].http)
+            ids = await self.tokens.ids(req, reachable[0].http, reachable[0].name)
         except Exception:  # noqa: BLE001 - routing must never be why a request fails
             log.exception("tokenizing a %s request failed; routing it by load alone", req.kind)
             ids = None

@@ -254,6 +254,13 @@ class AggregatorSettings(BaseSettings):
         description="routing (gateway): pull toward the engines the gateway sent less than "
                     "their share of its recent requests (evens out requests per engine, across "
                     "replicas too); 0: off")
+    token_parity_sample_rate: float = Field(
+        0.01, ge=0, le=1, description="gateway: the share of requests whose ids are checked "
+                                      "against the engine's /tokenize (besides each model's first); "
+                                      "0: no checks")
+    token_parity_threshold: int = Field(
+        3, ge=1, description="gateway: mismatches in a row after which a model's requests are "
+                             "routed with the engines' /tokenize ids until a check matches")
     engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
                                                                  "engine's /metrics (its load)")
     engine_poll_busy_interval_s: float = Field(
