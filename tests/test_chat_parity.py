@@ -128,3 +128,32 @@ def test_the_corpus_is_large_and_covers_the_formats(ours):
     assert len(SHAPES) >= 60
     formats = {name: ours[name].chat.content_format for name in TEMPLATE_NAMES}
     assert formats["parts"] == OPENAI and formats["tools"] == STRING and formats["thinking"] == STRING, formats
+
+
+DETECTION = [
+    "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{% for p in m['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ p.text }}{% endfor %}{% endfor %}",
+    "{% set msgs = messages[1:] %}{% for m in msgs %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+    "{% set loop_messages = messages | list %}{% for m in loop_messages %}{{ m.content }}{% endfor %}",
+    "{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "{% macro show(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.role) }}{% endfor %}",
+    "{% for m in messages %}{% set content = m.content %}{% for p in content %}{{ p.text }}{% endfor %}{% endfor %}",
+    "{% for m in messages %}{{ m.content[0].text }}{% endfor %}",
+    "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{{ p.text }}{% endfor %}{% endif %}{% endfor %}",
+    "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+    "{% for m in messages %}{{ m.content }",  # does not parse
+]
+
+
+@pytest.mark.parametrize("source", DETECTION)
+def test_content_format_is_detected_as_vllm_detects_it(source):
+    from vllm.renderers.hf import _detect_content_format
+
+    from kvevents.text.chat_format import content_format
+
+    assert content_format(source) == _detect_content_format(source, default="string")

@@ -499,6 +499,8 @@ def _cut_mid_answer(gw: str, server, engine: str, body: dict) -> list[str] | Non
         lines, got = _Lines(resp), []
         for _ in range(8):
             got += lines.until(lambda line: isinstance(line, str) and line.startswith("data: "), timeout=60)
+            if _Lines.END in got:
+                break
         assert sum(isinstance(x, str) and x.startswith("data: {") for x in got) == 8, got[-5:]
         server.freeze()
         got += lines.quiet(silence=2.0, timeout=30)  # what it wrote before the freeze

@@ -22,8 +22,6 @@ from kvevents.api.errors import ApiError
 from kvevents.text.chat import ChatMessage
 from kvevents.text.chat_inputs import ChatOptions, Tool
 
-_OPTION_NAMES = ("tools", "documents", "chat_template_kwargs", "add_generation_prompt",
-                 "continue_final_message", "reasoning_effort", "chat_template", "add_special_tokens")
 
 T = TypeVar("T")
 
@@ -68,8 +66,12 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
                     "for `prompt`, false for `messages`.")] | None = None
 
     def chat_options(self) -> ChatOptions | None:
-        """The fields besides ``messages`` that change a chat's ids (None: none given)."""
-        given = {name: getattr(self, name) for name in _OPTION_NAMES if getattr(self, name) is not None}
+        """The fields besides ``messages`` that change a text's ids (None: none given, or
+        the prompt is token ids)."""
+        if self.token_ids is not None:
+            return None
+        given = {name: value for name in ChatOptions.__struct_fields__
+                 if (value := getattr(self, name)) is not None}
         return ChatOptions(**given) if given else None
 
 

@@ -151,16 +151,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-poll-interval", type=float, default=None, dest="engine_poll_interval_s",
                    metavar="SECONDS", help="seconds between reads of each engine's /metrics "
                                            "(default: {default})")
+    p.add_argument("--engine-poll-busy-interval", type=float, default=None,
+                   dest="engine_poll_busy_interval_s", metavar="SECONDS",
+                   help="the same while the gateway has requests in flight; shorter: replicas "
+                        "see each other's load sooner, for more reads (default: {default})")
     p.add_argument("--token-parity-sample-rate", type=float, default=None, metavar="SHARE",
                    help="gateway: the share of requests whose ids are checked against the "
                         "engine's /tokenize, besides each model's first; 0: none (default: {default})")
     p.add_argument("--token-parity-threshold", type=int, default=None, metavar="N",
                    help="gateway: mismatches in a row after which a model is routed with the "
                         "engines' /tokenize ids until a check matches (default: {default})")
-    p.add_argument("--engine-poll-busy-interval", type=float, default=None,
-                   dest="engine_poll_busy_interval_s", metavar="SECONDS",
-                   help="the same while the gateway has requests in flight; shorter: replicas "
-                        "see each other's load sooner, for more reads (default: {default})")
     d = p.add_argument_group(
         "discovery", "find engines as the fleet scales (any combination, with --endpoint)")
     d.add_argument("--discover-dns", action="append", default=None, metavar="NAME",

@@ -82,8 +82,8 @@ class _Body(msgspec.Struct):
     reasoning_effort: msgspec.Raw = msgspec.Raw()
 
 
-_OPTION_FIELDS = ("tools", "documents", "chat_template_kwargs", "chat_template", "add_generation_prompt",
-                  "continue_final_message", "reasoning_effort")
+# ChatOptions' fields read raw above (add_special_tokens, a completions field too, typed)
+_OPTION_FIELDS = tuple(f for f in ChatOptions.__struct_fields__ if f != "add_special_tokens")
 
 
 _body = msgspec.json.Decoder(_Body)
@@ -145,9 +145,11 @@ def _options(req: OpenAIRequest, doc: _Body) -> None:
     """A chat's fields besides its messages that change its ids (a plain chat has none:
     nothing is decoded). One the gateway cannot read leaves the chat to the engine's
     ``/tokenize`` (``req.options`` stays None and ``messages`` is set)."""
-    present = [(name, raw) for name in _OPTION_FIELDS if len(raw := getattr(doc, name))]
-    if not present and doc.add_special_tokens is None:
+    if not (doc.tools or doc.documents or doc.chat_template_kwargs or doc.chat_template
+            or doc.add_generation_prompt or doc.continue_final_message or doc.reasoning_effort
+            or doc.add_special_tokens is not None):  # (one test per request: the common case)
         return
+    present = [(name, raw) for name in _OPTION_FIELDS if len(raw := getattr(doc, name))]
     parts = {name: raw for name, raw in present}
     if doc.add_special_tokens is not None:
         parts["add_special_tokens"] = msgspec.json.encode(doc.add_special_tokens)

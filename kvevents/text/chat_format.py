@@ -39,7 +39,7 @@ def content_format(source: str | None) -> str:
         return STRING
     aliases = _aliases(tree, nodes)
     loop_vars = {f.target.name for f in tree.find_all(nodes.For)
-                 if isinstance(f.target, nodes.Name) and _names(f.iter, nodes) & aliases}
+                 if isinstance(f.target, nodes.Name) and _name(f.iter, nodes) in aliases}
     loops = tree.find_all(nodes.For)
     return OPENAI if any(_over_content(f, loop_vars, tree, nodes) for f in loops) else STRING
 
@@ -79,11 +79,11 @@ def _unwrap(node, nodes):
             return node
 
 
-def _names(node, nodes) -> set[str]:
-    """The variable an expression reads, through filters, tests and slices (empty if it
+def _name(node, nodes) -> str | None:
+    """The variable an expression reads, through filters, tests and slices (None if it
     is not a plain variable)."""
     node = _unwrap(node, nodes)
-    return {node.name} if isinstance(node, nodes.Name) else set()
+    return node.name if isinstance(node, nodes.Name) else None
 
 
 def _aliases(tree, nodes) -> set[str]:
@@ -95,7 +95,7 @@ def _aliases(tree, nodes) -> set[str]:
         grew = False
         for assign in tree.find_all(nodes.Assign):
             if isinstance(assign.target, nodes.Name) and assign.target.name not in out \
-                    and _names(assign.node, nodes) & out:
+                    and _name(assign.node, nodes) in out:
                 out.add(assign.target.name)
                 grew = True
     return out
@@ -117,19 +117,18 @@ def _over_content(loop, loop_vars: set[str], tree, nodes) -> bool:
     iterable = loop.iter
     if _is_content_of(iterable, loop_vars, nodes):
         return True
-    names = _names(iterable, nodes)
-    if not names:
+    name = _name(iterable, nodes)
+    if name is None:
         return False
-    (name,) = names
     for macro in tree.find_all(nodes.Macro):
         params = [a.name for a in macro.args]
-        if name in params and _inside(macro, loop, nodes):  # a parameter: what the calls pass
+        if name in params and _inside(macro, loop):  # a parameter: what the calls pass
             return any(_macro_given_content(call, macro.name, name, params.index(name), loop_vars, nodes)
                        for call in tree.find_all(nodes.Call))
-    return name == "content" and not any(_inside(m, loop, nodes) for m in tree.find_all(nodes.Macro))
+    return name == "content" and not any(_inside(m, loop) for m in tree.find_all(nodes.Macro))
 
 
-def _inside(parent, node, nodes) -> bool:
+def _inside(parent, node) -> bool:
     return any(n is node for n in parent.find_all(type(node)))
 
 

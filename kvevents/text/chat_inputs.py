@@ -9,8 +9,8 @@ own ``chat_template``. :func:`conversation` rebuilds each message as vLLM does:
 * content in the template's format (:mod:`.chat_format`): for ``"string"``, the text of
   the parts joined with ``"\\n"`` (empty parts left out; no content is ``""``); for
   ``"openai"``, a list of ``{"type": "text", "text": ...}`` (a string wrapped as one
-  part; no content is ``[]``). Text parts are ``text``, ``input_text``, ``output_text``,
-  ``refusal`` and ``thinking``. A ``tool`` message's all-text list is joined with
+  part; no content is ``[]``). Text parts are ``text``, ``refusal`` and ``thinking``
+  (:class:`~kvevents.text.chat.TextPart`). A ``tool`` message's all-text list is joined with
   ``"\\n"`` in either format;
 * only ``role`` and ``content``, then for an assistant its ``tool_calls`` (each call's
   ``arguments`` parsed into an object: ``{}`` when empty, not JSON or not an object; an
@@ -102,39 +102,25 @@ class ChatOptions(msgspec.Struct, omit_defaults=True):
 #: A plain request's options (shared: never mutated).
 PLAIN = ChatOptions()
 
-_TEXT_KEY = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-             "thinking": "thinking"}
+# The key that holds each text part's text (TextPart: no other part decodes).
+_TEXT_KEY = {"text": "text", "refusal": "refusal", "thinking": "thinking"}
 
 
-def _texts(content: Any) -> list[str] | None:
-    """The text of each part of a list content (None: a part that is not text)."""
+def _texts(content: list[dict[str, Any]]) -> list[str]:
+    """The text of each part of a list content (a text or refusal part without one is
+    left out, as vLLM leaves it)."""
     out = []
     for part in content:
-        if isinstance(part, str):
-            out.append(part)
-            continue
-        # (a part decoded with its default type "text" comes without it)
-        key = _TEXT_KEY.get(part.get("type", "text")) if isinstance(part, dict) else None
-        if key is None:
-            return None
-        value = part.get(key)
-        if value is None and part.get("type", "text") in ("text", "refusal"):
-            continue
-        out.append(value if isinstance(value, str) else "")
+        kind = part.get("type", "text")  # (a TextPart's default type is not written out)
+        value = part.get(_TEXT_KEY[kind])
+        if value is not None or kind == "thinking":
+            out.append(value or "")
     return out
 
 
 def _content(role: str, content: Any, fmt: str) -> Any:
     """A message's content as the template is handed it (see the module docstring)."""
-    if content is None:
-        parts: list[str] = []
-    elif isinstance(content, str):
-        parts = [content]
-    else:
-        got = _texts(content)
-        if got is None:
-            raise ChatTemplateError("a content part that is not text")
-        parts = got
+    parts = [] if content is None else [content] if isinstance(content, str) else _texts(content)
     if fmt == OPENAI and role != "tool":
         return [{"type": "text", "text": p} for p in parts]
     if fmt == OPENAI:  # a tool message's all-text list is joined, empty parts too
@@ -157,8 +143,6 @@ def _arguments(value: Any) -> dict:
 def _tool_calls(calls: list) -> list[dict]:
     out = []
     for call in calls:
-        if not isinstance(call, dict):
-            raise ChatTemplateError("a tool call that is not an object")
         call = dict(call)
         function = call.get("function")
         if call.get("type", "function") != "function" or not isinstance(function, dict):
@@ -201,7 +185,7 @@ def conversation(messages: list[dict[str, Any]], fmt: str, names_developer: bool
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         if role == "developer":
-            msg["tools"] = m.get("tools")
+            msg["tools"] = None  # (vLLM hands a developer message its tools: ours carry none)
             developer = True
         out.append(msg)
     if developer and not names_developer:
@@ -222,8 +206,7 @@ def _one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     texts = []
     for i in where:
         content = messages[i]["content"]
-        text = content if isinstance(content, str) else "\n".join(
-            p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
         if text:
             texts.append(text)
     rest = [m for m in messages if m["role"] != "system"]
