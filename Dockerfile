@@ -4,7 +4,13 @@
 #   docker build --target engine     -t kvevents-engine .       # simulated engines + loadgen
 #   docker compose up --build                                   # both, with Prometheus + Grafana
 #
-# A plain `docker build .` builds the aggregator (the last stage).
+# A plain `docker build .` builds the aggregator (the last stage). For a cluster, tag it
+# with the package's version (kvevents/__init__.py, the one place it is written; the
+# Kubernetes manifests' kustomize `images:` carries the same) and push it:
+#
+#   VERSION=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' kvevents/__init__.py)
+#   docker build --target aggregator -t REGISTRY/kvevents-aggregator:$VERSION .
+#   docker push REGISTRY/kvevents-aggregator:$VERSION
 
 FROM python:3.11-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -37,11 +43,12 @@ USER kvevents
 EXPOSE 5557 5558 5560 9100
 CMD ["python", "-m", "kvevents.sim.process", "--name", "engine-0"]
 
-# The aggregator: the base install and the k8s extra (lightkube, for
-# --discover-k8s-selector, deploy/kubernetes); no torch.
+# The aggregator: the base install, the k8s extra (lightkube, for
+# --discover-k8s-selector, deploy/kubernetes) and the text extra (tokenizers and jinja2,
+# for --tokenizer: the gateway turns prompts and chats into token ids itself); no torch.
 FROM base AS aggregator
 COPY --from=wheel /wheels /wheels
-RUN pip install "$(echo /wheels/kvevents-*.whl)[k8s]" && rm -rf /wheels
+RUN pip install "$(echo /wheels/kvevents-*.whl)[k8s,text]" && rm -rf /wheels
 USER kvevents
 # 8090: HTTP API, /metrics and the live page.
 EXPOSE 8090

@@ -36,13 +36,18 @@ engine's next step; a few requests warm the engines up before the first round):
   in which vllm-router counts ``vllm_router_kv_routing_inputs_total{result=
   "preparation_rejected"}`` (its KV-aware inputs silently fell back) is failed.
 
-The workload (deterministic, ``--seed``): shared system prompts (300-600 tokens),
-growing multi-turn conversations (each turn appends the previous answer, written by
-the generator so every router sees the same prompts, and a new user message), and
-users revisiting long documents (~800 tokens) with new questions; up to 1,400 prompt
-tokens, ``max_tokens`` 8-16 (``ignore_eos``), greedy. ``--requests`` streamed chat
-requests (the official ``openai`` client, ``stream_options.include_usage``),
-``--concurrency`` at a time, a conversation's next turn only after its previous one.
+The workload (deterministic, ``--seed``; :mod:`chat_workloads`): ``--workload chats``,
+shared system prompts (300-600 tokens), growing multi-turn conversations (each turn
+appends the previous answer, written by the generator so every router sees the same
+prompts, and a new user message), and users revisiting long documents (~800 tokens)
+with new questions, up to 1,400 prompt tokens; or ``--workload agent``, tool-using
+agents over four tool sets of 1.5-2k tokens (``tools`` sent with ``tool_choice:
+"none"``, rendered by a template that prints them in the system turn; the engines then
+take ``max_model_len`` 4096). ``max_tokens`` 8-16 (``ignore_eos``), greedy.
+``--requests`` streamed chat requests (the official ``openai`` client,
+``stream_options.include_usage``), ``--concurrency`` at a time, a conversation's next
+turn only after its previous one. The hit tokens of one engine with an endless cache
+(no router can get more) are printed with the workload.
 
 Per run: prefix-cache hit tokens as the engines report them (deltas of
 ``vllm:prefix_cache_hits_total`` and ``vllm:prefix_cache_queries_total``, summed over
@@ -71,6 +76,8 @@ table then adds the gateway's predicted against the engines' reported cached tok
     .venv/bin/python benchmarks/bench_gateway.py --smoke      # 1 round, 20 requests: plumbing
     .venv/bin/python benchmarks/bench_gateway.py --client vllm-bench --template string \
         --routers ours,cache_aware --blocks 96 --rounds 2 --latency-probes 0
+    .venv/bin/python benchmarks/bench_gateway.py --workload agent --requests 160 \
+        --routers ours,cache_aware --blocks 256 --rounds 3 --latency-probes 0 --model-size tiny
 """
 
 from __future__ import annotations
@@ -78,7 +85,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -93,7 +99,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import httpx  # noqa: E402
 
+from chat_workloads import (AGENT_MAX_PROMPT, MAX_PROMPT, ChatRequest, build_agent_workload,  # noqa: E402,F401
+                            build_tenant_workload, build_workload, endless_cache_hits)
 from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
+
+from kvevents.demo import chat_templates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"  # the served model name
@@ -102,106 +112,11 @@ MODEL = "tiny"  # the served model name
 ROUTERS = ("ours", "ours_x2", "round_robin", "cache_aware", "kv_aware")
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
 BLOCKS, MAX_MODEL_LEN = 48, 1504  # KV blocks per engine (x 32 tokens); vLLM keeps one block back: 47 x 32
-MAX_PROMPT = 1400  # prompt tokens at most (MAX_MODEL_LEN minus max_tokens and margin)
+AGENT_MAX_MODEL_LEN = 4096  # the agent workload's (the tiny model's positions)
 
 
 class BenchError(RuntimeError):
     pass
-
-
-# ---- workload ------------------------------------------------------------------------------
-
-
-@dataclass
-class ChatRequest:
-    index: int  # position in the workload's order
-    session: str  # turns of one session are sent one after the other
-    kind: str  # "chat" (a conversation turn) or "doc" (a document question)
-    messages: list[dict]
-    max_tokens: int
-    prompt_tokens: int  # as this generator counts them (rendered template)
-
-
-class _Text:
-    """Deterministic filler text in the tiny tokenizer's own words (~1.1 tokens a word)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        from kvevents.demo.tiny_model import _SYLLABLES
-
-        self.rng = rng
-        self.words = [a + b for a in _SYLLABLES for b in _SYLLABLES]
-
-    def words_for(self, tokens: int) -> int:
-        return max(1, int(tokens / 1.12))
-
-    def text(self, tokens: int) -> str:
-        out = []
-        for i in range(self.words_for(tokens)):
-            w = self.rng.choice(self.words)
-            out.append(w + "." if self.rng.random() < 0.08 else w)
-        return " ".join(out)
-
-
-class _Counter:
-    """Prompt tokens of a message list, rendered with the model's chat template."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-
-    def __call__(self, messages: list[dict]) -> int:
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])  # as vLLM renders chat
-
-
-def build_workload(n: int, model_dir: Path, seed: int = 0) -> list[ChatRequest]:
-    """``n`` requests in order (see the module docstring): ~12 sessions active at a time,
-    each turn of a random active one next; a finished session makes room for a new one.
-    Two in three sessions are conversations, one in three a document question."""
-    rng = random.Random(seed)
-    text = _Text(rng)
-    count = _Counter(model_dir)
-    systems = [f"You are assistant {i}. " + text.text(rng.randint(300, 600)) for i in range(4)]
-    sys_weights = [8, 4, 2, 1]  # a few popular system prompts
-    docs = [f"Document {i}.\n" + text.text(rng.randint(720, 880)) for i in range(6)]
-    doc_system = "You answer questions about the document the user gives. " + text.text(40)
-    doc_weights = [6, 4, 3, 2, 1, 1]
-
-    def new_session(k: int) -> dict:
-        if rng.random() < 2 / 3:
-            system = rng.choices(systems, sys_weights)[0]
-            return {"name": f"chat-{k}", "kind": "chat", "turns": rng.randint(3, 7),
-                    "messages": [{"role": "system", "content": system}], "done": 0}
-        return {"name": f"doc-{k}", "kind": "doc", "turns": rng.randint(1, 3),
-                "doc": rng.choices(docs, doc_weights)[0], "done": 0}
-
-    out: list[ChatRequest] = []
-    active: list[dict] = []
-    started = 0
-    while len(out) < n:
-        while len(active) < 12:
-            active.append(new_session(started))
-            started += 1
-        s = rng.choice(active)
-        max_tokens = rng.randint(8, 16)
-        if s["kind"] == "chat":
-            if s["done"]:  # the previous answer, then a new user message
-                s["messages"].append({"role": "assistant", "content": text.text(rng.randint(30, 80))})
-            s["messages"].append({"role": "user", "content": text.text(rng.randint(40, 120))})
-            messages = [dict(m) for m in s["messages"]]
-        else:  # each question a fresh request on the same document (a revisit)
-            messages = [{"role": "system", "content": doc_system},
-                        {"role": "user", "content": s["doc"] + "\n\nQuestion: " + text.text(rng.randint(15, 40))}]
-        tokens = count(messages)
-        if tokens > MAX_PROMPT:  # the conversation would outgrow the context: it ends here
-            active.remove(s)
-            continue
-        out.append(ChatRequest(len(out), s["name"], s["kind"], messages, max_tokens, tokens))
-        s["done"] += 1
-        if s["done"] >= s["turns"]:
-            active.remove(s)
-    return out
 
 
 # ---- the client -----------------------------------------------------------------------------
@@ -220,9 +135,14 @@ async def _one(client, req: ChatRequest) -> Outcome:
     out = Outcome()
     t0 = time.perf_counter()
     try:
+        # Tools with tool_choice "none": the engine renders them into the prompt (as every
+        # tool choice does) and needs no tool-call parser to answer.
+        tools = {"tools": req.tools, "tool_choice": "none"} if req.tools else {}
+        salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}
         stream = await client.chat.completions.create(
-            model=MODEL, messages=req.messages, max_tokens=req.max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=req.model or MODEL, messages=req.messages, max_tokens=req.max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **salt},
+            **tools)
         usage = None
         async for chunk in stream:
             # The first chunk with a choice: vLLM sends it with the first generated token
@@ -326,8 +246,9 @@ def warm_up(engine_urls: list[str], reqs: list[ChatRequest]) -> None:
     for url in engine_urls:
         with OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
             for req in reqs[:2]:
+                tools = {"tools": req.tools, "tool_choice": "none"} if req.tools else {}
                 c.chat.completions.create(model=MODEL, messages=req.messages, max_tokens=req.max_tokens,
-                                          temperature=0)
+                                          temperature=0, **tools)
             for _ in range(3):
                 c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
                                           max_tokens=1, temperature=0)
@@ -419,7 +340,7 @@ class Ours:
     """One ``kvevents serve`` (aggregator + gateway) for the whole benchmark."""
 
     def __init__(self, fleet, events: list[tuple[int, int]], model_dir: Path, workdir: Path,
-                 tag: str = "", root: Path = ROOT) -> None:
+                 tag: str = "", root: Path = ROOT, extra: list[str] | None = None) -> None:
         from kvevents.demo.fleet import free_port
 
         self.root = root  # the checkout it runs from (--ours-root: another version)
@@ -429,7 +350,7 @@ class Ours:
         self.log = workdir / f"kvevents-serve{tag}.log"
         self.cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1",
                     "--port", str(self.port), "--tokenizer", f"{MODEL}={model_dir}",
-                    "--log-level", "warning"]
+                    "--log-level", "warning", *(extra or [])]
         self.names = [f"e{i}" for i in range(len(fleet))]
         for name, server, (live, replay) in zip(self.names, fleet.servers, events):
             self.cmd += ["--endpoint", f"{name}=tcp://127.0.0.1:{live},replay=tcp://127.0.0.1:{replay},"
@@ -555,8 +476,8 @@ def flush(engine_urls: list[str]) -> None:
 #: A chat template of the "string" content format (it prints each message's content as
 #: one string, as most model families' do): what ``--template string`` gives the engines'
 #: and the gateway's tokenizer directory.
-STRING_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
-                   "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+STRING_TEMPLATE = chat_templates.STRING
+TEMPLATES = {"string": chat_templates.STRING, "tools": chat_templates.TOOLS}
 
 
 _VLLM_BENCH = ("import sys\n"
@@ -739,19 +660,26 @@ def inner(a) -> int:
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = make_tiny_model(workdir / f"model-{a.model_size}", tokenizer=True, size=a.model_size)
-    if a.template == "string":  # the engines and the gateway read chat_template.jinja
-        model_dir = _with_template(model_dir, workdir / f"model-{a.model_size}-string", STRING_TEMPLATE)
+    if a.workload == "agent" and a.template != "tools":
+        raise SystemExit("--workload agent needs --template tools (a template that prints the tools)")
+    if a.template in TEMPLATES:  # the engines and the gateway read chat_template.jinja
+        model_dir = _with_template(model_dir, workdir / f"model-{a.model_size}-{a.template}", TEMPLATES[a.template])
     a.model_dir = str(model_dir)  # (for vllm bench serve; a str, as the JSON config)
-    reqs = build_workload(a.requests, model_dir, a.seed)
+    agent = a.workload == "agent"
+    build = {"chats": build_workload, "agent": build_agent_workload, "tenants": build_tenant_workload}[a.workload]
+    reqs = build(a.requests, model_dir, a.seed)
     prompt_tokens = [r.prompt_tokens for r in reqs]
+    bound = endless_cache_hits(reqs, model_dir) if a.client == "openai" else None
     info = machine()
     info["load_average"] = os.getloadavg()
     print(f"machine: {info['cpu']}, nproc {info['cores']}, Python {info['python']}, load average "
           + " ".join(f"{x:.2f}" for x in info["load_average"]))
     print(f"command: {a.command}")
     what = (f"{len(reqs)} chat requests ({sum(r.kind == 'chat' for r in reqs)} conversation turns, "
-            f"{sum(r.kind == 'doc' for r in reqs)} document questions, {len({r.session for r in reqs})} sessions), "
-            f"{sum(prompt_tokens):,} prompt tokens (p50 {percentile(prompt_tokens, 50)}, max {max(prompt_tokens)})"
+            f"{sum(r.kind == 'doc' for r in reqs)} document questions, {sum(r.kind == 'agent' for r in reqs)} "
+            f"agent turns with tools, {len({r.session for r in reqs})} sessions), "
+            f"{sum(prompt_tokens):,} prompt tokens (p50 {percentile(prompt_tokens, 50)}, max {max(prompt_tokens)}; "
+            f"one engine with an endless cache would hit {bound:,})"
             if a.client == "openai" else
             f"vllm bench serve --backend {a.vllm_bench_backend} {a.vllm_bench_args}")
     print(f"workload: {what}, concurrency {a.concurrency}; engines: {a.engines} x {a.blocks} blocks x 32 "
@@ -761,8 +689,9 @@ def inner(a) -> int:
     env = dict(os.environ, PYTHONHASHSEED="0")
     fleet = VllmFleet(model_dir, [(f"tcp://*:{live}", f"tcp://*:{replay}") for live, replay in events],
                       log_dir=run_dir, served_model_name=MODEL, num_gpu_blocks=a.blocks,
-                      max_model_len=MAX_MODEL_LEN, env=env,
-                      extra_args=["--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor"])
+                      max_model_len=AGENT_MAX_MODEL_LEN if agent else MAX_MODEL_LEN, env=env,
+                      extra_args=["--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor",
+                                  *_lora_args(reqs, model_dir, workdir)])
     ours: list[Ours] = []
     rows: list[dict] = []
     t_start = time.monotonic()
@@ -773,7 +702,8 @@ def inner(a) -> int:
               + f"; logs in {run_dir}")
         # Ours first: it must see the warm-up's events (and the resets) live.
         for i in range(2 if "ours_x2" in routers else 1 if "ours" in routers else 0):
-            ours.append(Ours(fleet, events, model_dir, run_dir, f"-{i}", Path(a.ours_root)))
+            ours.append(Ours(fleet, events, model_dir, run_dir, f"-{i}", Path(a.ours_root),
+                             shlex.split(a.ours_args)))
             ours[-1].start()
         warm_up([s.url for s in fleet.servers], reqs)  # the first run must not pay the engines' first steps
         for rnd in range(a.rounds):
@@ -806,9 +736,22 @@ def inner(a) -> int:
         write_json(a.json, {"machine": info, "command": a.command,
                             "config": {k: v for k, v in vars(a).items() if k not in ("inner",)},
                             "workload": {"requests": len(reqs), "prompt_tokens": sum(prompt_tokens),
+                                         "endless_cache_hit_tokens": bound,
                                          "sessions": len({r.session for r in reqs})},
                             "runs": rows, "summary": summary})
     return 1 if bad else 0
+
+
+def _lora_args(reqs: list[ChatRequest], model_dir: Path, workdir: Path) -> list[str]:
+    """``vllm serve``'s flags for the adapters the workload names (none: no flags), each
+    made locally (:func:`kvevents.demo.tiny_model.make_tiny_lora`)."""
+    from kvevents.demo.tiny_model import make_tiny_lora
+
+    names = sorted({r.model for r in reqs if r.model})
+    if not names:
+        return []
+    made = [f"{n}={make_tiny_lora(workdir / f'lora-{n}', model_dir, seed)}" for seed, n in enumerate(names)]
+    return ["--enable-lora", "--max-loras", str(len(names)), "--max-lora-rank", "8", "--lora-modules", *made]
 
 
 def _with_template(model_dir: Path, out: Path, template: str) -> Path:
@@ -838,9 +781,17 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=BLOCKS, help="KV blocks per engine (x 32 tokens)")
     ap.add_argument("--ours-root", default=str(ROOT),
                     help="the checkout `kvevents serve` runs from (another version, built in place)")
-    ap.add_argument("--template", choices=("model", "string"), default="model",
-                    help="the chat template: the model's own (iterates over content parts) or a "
-                         "string-format one (STRING_TEMPLATE), in the engines' and the gateway's tokenizer")
+    ap.add_argument("--ours-args", default="",
+                    help="more `kvevents serve` flags for ours, e.g. \"--route-balance-weight 1\"")
+    ap.add_argument("--template", choices=("model", *TEMPLATES), default=None,
+                    help="the chat template in the engines' and the gateway's tokenizer: the model's "
+                         "own (iterates over content parts), a string-format one (STRING_TEMPLATE) or one "
+                         "that prints tools in the system turn (default: tools for --workload agent, "
+                         "else model)")
+    ap.add_argument("--workload", choices=("chats", "agent", "tenants"), default="chats",
+                    help="--client openai's workload (benchmarks/chat_workloads.py): conversations and "
+                         "documents; tool-using agents (4 tool sets of 1.5k-2k tokens; max_model_len 4096); "
+                         "or the chats under 3 LoRA adapters and 4 cache_salt tenants")
     ap.add_argument("--client", choices=("openai", "vllm-bench"), default="openai",
                     help="the workload: this script's conversations through the openai client, or "
                          "vLLM's own `vllm bench serve` with --vllm-bench-args")
@@ -853,6 +804,8 @@ def main() -> None:
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--command", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.template is None:
+        a.template = "tools" if a.workload == "agent" else "model"
     if a.smoke:
         a.rounds, a.requests, a.latency_probes = 1, 20, 20
     if a.inner:

@@ -1,4 +1,4 @@
-"""Hostile clients against ``kvevents serve`` in front of fake engines: five attacks, each
+"""Hostile clients against ``kvevents serve`` in front of fake engines: attacks, each
 on a fresh gateway process, with well-behaved requests probing alongside.
 
 The engines: one process (``tests/hostile_engine.py``) serving two fake OpenAI engines
@@ -17,6 +17,9 @@ CPU seconds (utime + stime).
 * ``malformed``: invalid UTF-8 in a message, JSON nested 10,000 deep (under an unknown
   field, in a message), a 7.9 MB chat body, a declared 100 MB body (does the connection
   close after the 413?), a client leaving mid-upload: status, seconds, RSS growth;
+* ``long_prompt``: 10 chats of 2,000,000 characters at once, under ``max_prompt_chars``
+  but beyond the engines' context (``--max-model-len``, in their ``/v1/models``; 0: not
+  given, the gateway then tokenizes them): statuses, seconds, RSS growth at peak and after;
 * ``slowloris``: 1,000 connections trickling a head one byte every 3 s and 200 trickling a
   1 MB body, for 20 s, then silent (sockets kept): files over time until back to the
   start (at most 65 s), probes' p50/p99;
@@ -35,6 +38,7 @@ CPU seconds (utime + stime).
     .venv/bin/python benchmarks/bench_hostile_clients.py [--attacks storm,capacity,...]
         [--root /path/to/other/checkout] [--json benchmarks/results/hostile_clients.json]
         [--vllm-router cache_aware]   # the cardinality attack on vllm-router too ('.[bench]')
+        [--max-model-len 32768]       # the engines' context (0: not in their /v1/models)
 """
 
 from __future__ import annotations
@@ -63,18 +67,21 @@ from hostile_support import GatewayProcess, chat_body, named_requests, raw_reque
 from support import free_port  # noqa: E402
 from text_tokenizer import build_bytelevel  # noqa: E402
 
-ATTACKS = ("storm", "capacity", "malformed", "slowloris", "slow_readers", "cardinality", "baseline")
+ATTACKS = ("storm", "capacity", "malformed", "long_prompt", "slowloris", "slow_readers", "cardinality",
+           "baseline")
 
 
 class Engines:
     """The fake engines' process (two ports, counted together)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = 0) -> None:
         self.ports = [free_port(), free_port()]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         cmd = [sys.executable, str(HERE.parent / "tests" / "hostile_engine.py")]
         for p in self.ports:
             cmd += ["--port", str(p)]
+        if max_model_len:  # in their /v1/models, as vLLM gives it
+            cmd += ["--max-model-len", str(max_model_len)]
         self.proc = subprocess.Popen(cmd, start_new_session=True)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -215,6 +222,33 @@ async def _send_body(port: int, body: bytes, timeout: float = 60) -> tuple[int, 
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
     writer.close()
     return int(head.split(b" ", 2)[1]), time.perf_counter() - t
+
+
+async def long_prompt(g: GatewayProcess, eng: Engines, n: int = 10, chars: int = 2_000_000) -> dict:
+    """``n`` chats of ``chars`` characters at once (under ``max_prompt_chars``, beyond
+    what the engines' ``max_model_len`` can take): statuses, seconds, RSS growth."""
+    words = b"The cache holds key and value tensors for every token the model has seen. "
+    body = (b'{"model":"fake","stream":true,"messages":[{"role":"user","content":"'
+            + (words * (chars // len(words) + 1))[:chars] + b'"}]}')
+    rss0 = peak = g.rss_mb()
+    tasks = [asyncio.ensure_future(_send_body(g.port, body)) for _ in range(n)]
+    while not all(t.done() for t in tasks):
+        peak = max(peak, g.rss_mb())
+        await asyncio.sleep(0.02)
+    got = []
+    for t in tasks:
+        try:
+            got.append(t.result())
+        except (OSError, asyncio.TimeoutError) as exc:
+            got.append((type(exc).__name__, None))
+    statuses: dict[str, int] = {}
+    for status, _ in got:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    secs = [s for _, s in got if s is not None]
+    return {"long prompt": {"requests_at_once": n, "characters": chars, "statuses": statuses,
+                            "max_seconds": round(max(secs), 3) if secs else None,
+                            "rss_growth_peak_mb": round(peak - rss0, 1),
+                            "rss_growth_after_mb": round(g.rss_mb() - rss0, 1)}}
 
 
 async def malformed(g: GatewayProcess, eng: Engines) -> dict:
@@ -460,8 +494,8 @@ async def baseline(g: GatewayProcess, eng: Engines, n: int = 2000, conc: int = 1
             "median_ms": sorted(rounds)[1], "answers_not_byte_exact": wrong}
 
 
-def run(attack: str, root: str, tokenizer: str) -> dict:
-    eng = Engines()
+def run(attack: str, root: str, tokenizer: str, max_model_len: int = 32768) -> dict:
+    eng = Engines(max_model_len)
     extra = {"capacity": ["--max-inflight", "64"],  # (engines added or removed only with the token,
              "cardinality": ["--auth-token", "bench-token"]}.get(attack, [])  # as deployed)
     try:
@@ -494,13 +528,16 @@ def main() -> None:
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--root", default=str(HERE.parent), help="checkout whose kvevents serve runs")
     ap.add_argument("--json", default="benchmarks/results/hostile_clients.json")
+    ap.add_argument("--max-model-len", type=int, default=32768,
+                    help="the engines' context in their /v1/models (0: not given, as before "
+                         "the gateway read it)")
     ap.add_argument("--vllm-router", default="", metavar="POLICY",
                     help="also run the cardinality attack on vllm-router 0.1.17 with this policy")
     a = ap.parse_args()
     tok = build_bytelevel(Path(tempfile.mkdtemp(prefix="kvevents-tok-")))
     results = []
     for attack in a.attacks.split(","):
-        r = run(attack, a.root, str(tok))
+        r = run(attack, a.root, str(tok), a.max_model_len)
         print(json.dumps(r), flush=True)
         results.append(r)
         if attack == "cardinality" and a.vllm_router:

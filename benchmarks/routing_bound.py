@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gateway import MAX_PROMPT, build_workload  # noqa: E402,F401
+from chat_workloads import MAX_PROMPT, build_workload  # noqa: E402,F401
 from common import machine, print_table  # noqa: E402
 
 BS = 32

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from common import machine, median, print_table  # noqa: E402
-from routing_bound import BS, Caches, Request, workload  # noqa: E402
+from routing_bound import BS, Caches, Request, block_keys, workload  # noqa: E402
 from kvevents.gateway.answers import expected_cached  # noqa: E402
 from kvevents.gateway.inflight import InflightPrompts  # noqa: E402
 from kvevents.gateway.load import EngineLoads  # noqa: E402
@@ -186,6 +186,22 @@ class Fleet:
         return self.hits, self.counts
 
 
+def prefix_repetition(prefixes: int, prefix_len: int, suffix_len: int, requests: int, seed: int
+                      ) -> list[Request]:
+    """``vllm bench serve``'s prefix_repetition dataset as the engines see it: ``prefixes``
+    shared prefixes of random ids, each request one of them (evenly, shuffled) and a
+    random suffix, each its own session, 8 output tokens."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(32000) for _ in range(prefix_len)] for _ in range(prefixes)]
+    order = [k % prefixes for k in range(requests)]
+    rng.shuffle(order)
+    out = []
+    for i, k in enumerate(order):
+        ids = shared[k] + [rng.randrange(32000) for _ in range(suffix_len)]
+        out.append(Request(f"r{i}", f"prefix-{k}", ids, block_keys(ids), 8))
+    return out
+
+
 def parse_variant(text: str) -> tuple[str, KVRouterConfig]:
     """``default`` or ``key=value,key=value`` of :class:`KVRouterConfig`'s float fields."""
     text = text.strip()
@@ -217,8 +233,12 @@ def main() -> None:
     ap.add_argument("--per-output", type=float, default=0.02, help="seconds per output token")
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--model-dir", default="/tmp/kvevents-bench-gateway/model-small")
+    ap.add_argument("--workload", choices=("chats", "prefix_repetition"), default="chats",
+                    help="bench_gateway.py's chats, or vllm bench serve's prefix_repetition (12 x 480-token "
+                         "prefixes, 32-token suffixes, 156 requests: bench_gateway --client vllm-bench)")
     a = ap.parse_args()
-    reqs = workload(a.model_dir, a.requests, a.seed)
+    reqs = (workload(a.model_dir, a.requests, a.seed) if a.workload == "chats"
+            else prefix_repetition(12, 480, 32, 156, a.seed))
     rows = []
     for name, config in (parse_variant(v) for v in a.variants.split(";") if v.strip()):
         base_hits = None

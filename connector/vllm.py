@@ -210,11 +210,15 @@ class _RequestView:
 
 
 def _to_vllm_events(events: list) -> list:
-    """Our wire structs -> vLLM's (its publisher encodes its own classes)."""
+    """Our wire structs -> vLLM's (its publisher encodes its own classes). Fields vLLM's
+    classes lack (SGLang's ``cache_salt``, never set by this connector: vLLM keys a salt
+    in the first block's extra key) are left out."""
     out = []
     for ev in events:
         fields = msgspec.structs.asdict(ev)
         if isinstance(ev, BlockStored):
+            if fields.get("cache_salt") is None:
+                fields.pop("cache_salt", None)
             extra = fields.get("extra_keys")
             if extra is not None:
                 fields["extra_keys"] = [tuple(k) if isinstance(k, list) else k for k in extra]

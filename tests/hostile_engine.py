@@ -13,7 +13,8 @@ closed it). It stops writing while the gateway's socket is full (backpressure) a
 resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``POST /tokenize``
 (a chat's ids, ``transformers``' own) when started with a tokenizer. ``GET /stats``:
 ``{"open", "peak", "started", "finished", "aborted"}`` (``/stats/reset``: the same, then
-the peak starts again from the streams open now).
+the peak starts again from the streams open now). Each completion request's
+``X-data-parallel-rank`` header is recorded in ``stats.ranks``.
 
 Several engines (one per port) run on one event loop and are counted together. Run in
 a thread (:class:`EngineThread`, for tests) or as a process (``python
@@ -37,8 +38,12 @@ class Stats:
     def __init__(self) -> None:
         self.open = self.peak = self.started = self.finished = self.aborted = 0
         self.tokenized = 0  # /tokenize answers
+        # Each completion request's X-data-parallel-rank header, in order (None: absent).
+        self.ranks: list[bytes | None] = []
         # (messages dicts, add_generation_prompt) -> ids: set by EngineThread(tokenizer=...)
         self.tokenize = None
+        # GET /v1/models' answer (vLLM's carries max_model_len: EngineThread(max_model_len=...))
+        self.models = b'{"object":"list","data":[{"id":"fake"}]}'
 
     def as_dict(self) -> dict:
         return {"open": self.open, "peak": self.peak, "started": self.started,
@@ -84,7 +89,11 @@ class _Conn(asyncio.Protocol):
             step()
 
     def on_message_begin(self) -> None:
-        self.url, self.body = b"", []
+        self.url, self.body, self.rank = b"", [], None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"x-data-parallel-rank":
+            self.rank = value
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -103,17 +112,19 @@ class _Conn(asyncio.Protocol):
         elif method == b"GET" and self.url == b"/health":
             self._reply(200, b"application/json", b"{}")
         elif method == b"GET" and self.url == b"/v1/models":
-            self._reply(200, b"application/json", b'{"object":"list","data":[{"id":"fake"}]}')
+            self._reply(200, b"application/json", self.stats.models)
         elif method == b"POST" and self.url == b"/tokenize" and self.stats.tokenize is not None:
             try:
                 doc = json.loads(b"".join(self.body))
-                ids = self.stats.tokenize(doc["messages"], doc.get("add_generation_prompt", True))
+                ids = self.stats.tokenize(doc["messages"], doc.get("add_generation_prompt", True),
+                                          doc.get("tools"))
             except (ValueError, KeyError, TypeError) as exc:
                 self._reply(400, b"application/json", json.dumps({"error": str(exc)}).encode())
                 return
             self.stats.tokenized += 1
             self._reply(200, b"application/json", json.dumps({"count": len(ids), "tokens": ids}).encode())
         elif method == b"POST" and self.url in (b"/v1/chat/completions", b"/v1/completions"):
+            self.stats.ranks.append(self.rank)
             try:
                 doc = json.loads(b"".join(self.body))
             except ValueError:
@@ -196,25 +207,35 @@ async def serve(ports: list[int], stats: Stats, started: threading.Event | None 
             server.close()
 
 
+def models_answer(max_model_len: int) -> bytes:
+    """``GET /v1/models`` with the model's context, as vLLM gives it."""
+    return json.dumps({"object": "list", "data": [
+        {"id": "fake", "object": "model", "max_model_len": max_model_len}]}).encode()
+
+
 class EngineThread:
     """Fake engines on one event loop thread, one per port of ``ports``, counted together
     in ``stats`` (read live: their sum, so ``peak`` is the fleet's)."""
 
-    def __init__(self, ports: list[int], tokenizer: str | None = None, template: str | None = None) -> None:
+    def __init__(self, ports: list[int], tokenizer: str | None = None, template: str | None = None,
+                 max_model_len: int | None = None) -> None:
         """``tokenizer``: a tokenizer directory; then ``POST /tokenize`` answers a chat's
-        ids as ``transformers``' ``apply_chat_template`` gives them (with ``template``
-        instead of the directory's, if given)."""
+        ids as ``transformers``' ``apply_chat_template`` gives them for its messages,
+        ``add_generation_prompt`` and ``tools`` (with ``template`` instead of the
+        directory's, if given)."""
         self.ports = ports
         self.urls = [f"http://127.0.0.1:{p}" for p in ports]
         self.stats = Stats()
+        if max_model_len is not None:
+            self.stats.models = models_answer(max_model_len)
         if tokenizer is not None:
             from transformers import AutoTokenizer
 
             auto = AutoTokenizer.from_pretrained(tokenizer)
 
-            def tokenize(messages: list, generation: bool) -> list[int]:
+            def tokenize(messages: list, generation: bool, tools: list | None = None) -> list[int]:
                 out = auto.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                               add_generation_prompt=generation)
+                                               add_generation_prompt=generation, tools=tools)
                 return list(out["input_ids"] if hasattr(out, "keys") else out)
             self.stats.tokenize = tokenize
         self._started = threading.Event()
@@ -241,10 +262,14 @@ class EngineThread:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="a fake OpenAI engine (127.0.0.1)")
     ap.add_argument("--port", type=int, action="append", required=True, help="repeatable")
+    ap.add_argument("--max-model-len", type=int, default=0, help="in /v1/models, as vLLM gives it")
     a = ap.parse_args()
+    stats = Stats()
+    if a.max_model_len:
+        stats.models = models_answer(a.max_model_len)
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(a.port, Stats()))
+    asyncio.run(serve(a.port, stats))

@@ -6,9 +6,10 @@ Rendered by our :class:`~kvevents.text.chat.ChatTemplate` and by vLLM's own rend
 
 * :data:`PARTS` iterates over a message's content parts (Llama 4 / Gemma 3 style): vLLM
   detects the "openai" content format and hands it the parts as they are;
-* :data:`TOOLS` prints the tool schemas in the system turn, assistant ``tool_calls``
-  with their arguments and ``tool`` results (Qwen 2.5 / Hermes style); a string-format
-  template: content parts are joined into one string first;
+* :data:`TOOLS` (from :mod:`kvevents.demo.chat_templates`) prints the tool schemas in
+  the system turn, assistant ``tool_calls`` with their arguments and ``tool`` results
+  (Qwen 2.5 / Hermes style); a string-format template: content parts are joined into
+  one string first;
 * :data:`THINKING` has a thinking switch (``enable_thinking`` from
   ``chat_template_kwargs``), prints ``reasoning_content`` of assistant turns, honours
   ``add_generation_prompt`` and ``documents`` (Qwen 3 style, with a Command R-like
@@ -16,6 +17,8 @@ Rendered by our :class:`~kvevents.text.chat.ChatTemplate` and by vLLM's own rend
 """
 
 from __future__ import annotations
+
+from kvevents.demo.chat_templates import TOOLS
 
 PARTS = (
     "{{ bos_token }}"
@@ -28,40 +31,6 @@ PARTS = (
     "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-TOOLS = (
-    "{%- if tools %}"
-    "<|im_start|>system\n"
-    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    "{%- else %}You are a helpful assistant.{%- endif %}"
-    "\n\n# Tools\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}"
-    "\n</tools><|im_end|>\n"
-    "{%- else %}"
-    "{%- if messages[0]['role'] == 'system' %}"
-    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
-    "{%- endif %}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{%- elif message.role == 'assistant' %}"
-    "<|im_start|>assistant"
-    "{%- if message.content %}\n{{ message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls or [] %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "\n<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
-    "{%- if tool_call.arguments is string %}{{ tool_call.arguments }}"
-    "{%- else %}{{ tool_call.arguments | tojson }}{%- endif %}"
-    "}\n</tool_call>"
-    "{%- endfor %}<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}"
-    "<|im_start|>user\n<tool_response id=\"{{ message.tool_call_id }}\">\n{{ message.content }}"
-    "\n</tool_response><|im_end|>\n"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
 
 THINKING = (
@@ -152,6 +121,8 @@ SHAPES: list[tuple[str, dict]] = [
     ("tools, no system", {"messages": [USER], "tools": [WEATHER]}),
     ("tool without description or parameters", {"messages": [USER], "tools": [BARE]}),
     ("tools with tool_choice none", {"messages": [USER], "tools": [WEATHER], "tool_choice": "none"}),
+    ("tools with a named tool_choice", {"messages": [SYSTEM, USER], "tools": [WEATHER, SEARCH], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}),
     ("tool call, arguments as a JSON string of an array", {"messages": [
         USER, {"role": "assistant", "content": "", "tool_calls": [
             {**CALL, "function": {"name": "get_weather", "arguments": "[1, 2]"}}]},

@@ -4,9 +4,12 @@ two top-level ``conftest`` modules would shadow each other on import.)"""
 
 from __future__ import annotations
 
+import http.server
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import IO
 
 import zmq
 
@@ -27,6 +30,30 @@ def rebind(make, timeout: float = 5.0):
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen, log: IO | None = None, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it is still running after ``timeout`` s; reaped either
+    way, and ``log`` (its output file) closed."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if log is not None:
+        log.close()
+
+
+def send_answer(handler: http.server.BaseHTTPRequestHandler, status: int, body: bytes,
+                ctype: str = "text/plain") -> None:
+    """One whole answer from a test server's request handler."""
+    handler.send_response(status)
+    handler.send_header("content-type", ctype)
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
@@ -157,10 +184,13 @@ class PrometheusServer:
             stdout=self._log, stderr=subprocess.STDOUT,
         )
 
-    def query(self, promql: str) -> list[dict]:
+    def query(self, promql: str, at: float | None = None) -> list[dict]:
+        """``promql``'s result now, or at Unix time ``at`` (a moment whose scrapes are
+        known: later scrapes, failed or not, change nothing there)."""
         import httpx
 
-        r = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=5)
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+        r = httpx.get(f"{self.url}/api/v1/query", params=params, timeout=5)
         body = r.json()
         if body.get("status") != "success":
             raise AssertionError(f"PromQL {promql!r} failed: {body}")
@@ -179,12 +209,7 @@ class PrometheusServer:
             raise RuntimeError("prometheus did not become ready")
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except Exception:
-            self.proc.kill()
-        self._log.close()
+        stop_process(self.proc, self._log)
 
 
 class HeldProxy:

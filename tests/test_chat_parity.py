@@ -64,10 +64,13 @@ def vllm_render(model_dir):
     renderer = HfRenderer(config, tokenizer)
     print(f"\nvLLM's renderer ready in {time.monotonic() - t0:.1f} s")
 
-    def render(body: dict, template: str | None) -> list[int] | Exception:
+    def render(body: dict, template: str | None, exclude_tools_when_tool_choice_none: bool = False
+               ) -> list[int] | Exception:
         try:
             req = ChatCompletionRequest.model_validate({"model": "tiny", **body})
-            tools = None if req.tools is None else [t.model_dump() for t in req.tools]
+            # the server's rule (vllm/renderers/online_renderer.py, its flag of that name)
+            excluded = req.tool_choice == "none" and exclude_tools_when_tool_choice_none
+            tools = None if req.tools is None or excluded else [t.model_dump() for t in req.tools]
             # as the server's preprocess_chat: the tools and tokenize=False as defaults
             params = req.build_chat_params(template, "auto").with_defaults({"tools": tools, "tokenize": False})
             _, prompt = renderer.render_messages(req.messages, params)
@@ -120,6 +123,25 @@ def test_every_request_shape_gives_vllms_ids(template, vllm_render, ours):
     assert not differ, differ
     assert refused_both <= 3, refused_both  # (the shapes are meant to render)
     print(f"{template}: {len(SHAPES)} shapes, ids equal to vLLM's ({refused_both} refused by both)")
+
+
+def test_an_engine_that_drops_the_tools_of_tool_choice_none_is_matched(model_dir, vllm_render):
+    """``exclude_tools_when_tool_choice_none=true`` (``--tokenizer``): the shapes with a
+    ``tool_choice`` rendered as an engine started with that flag renders them; only
+    ``"none"`` drops the tools, and it does change the ids."""
+    from kvevents.text.registry import split_options
+    from kvevents.text import TextTokenizer
+
+    directory, options = split_options(f"{model_dir},exclude_tools_when_tool_choice_none=true")
+    tok = TextTokenizer("tiny", directory, chat_template=TEMPLATES["tools"], **options)
+    shapes = [(name, body) for name, body in SHAPES if body.get("tools") and "tool_choice" in body]
+    assert {json.dumps(b["tool_choice"]) for _, b in shapes} >= {'"none"', json.dumps(
+        {"type": "function", "function": {"name": "get_weather"}})}
+    for name, body in shapes:
+        want = vllm_render(body, TEMPLATES["tools"], exclude_tools_when_tool_choice_none=True)
+        assert _our_ids(tok, body) == want, name
+        if body["tool_choice"] == "none":
+            assert want != vllm_render(body, TEMPLATES["tools"]), name  # the flag matters here
 
 
 def test_the_corpus_is_large_and_covers_the_formats(ours):

@@ -98,9 +98,10 @@ def test_images_aggregator_without_torch_engine_with_it(compose):
     assert list(stages) == ["base", "wheel", "engine", "aggregator"]  # plain `docker build`: the aggregator
     assert stages["base"].startswith("FROM python:3.11-slim\n")
     agg = stages["aggregator"]
-    # The aggregator image: the base install plus the k8s extra (pod discovery), no torch.
+    # The aggregator image: the base install plus the k8s extra (pod discovery) and the
+    # text extra (--tokenizer), no torch.
     assert "torch" not in agg and "[demo]" not in agg and "[connector]" not in agg, agg
-    assert re.search(r'^RUN pip install "\$\(echo /wheels/kvevents-\*\.whl\)\[k8s\]"', agg, re.M)
+    assert re.search(r'^RUN pip install "\$\(echo /wheels/kvevents-\*\.whl\)\[k8s,text\]"', agg, re.M)
     assert re.search(r'CMD \["kvevents", "serve", "--host", "0.0.0.0", "--port", "8090"\]', agg)
     eng = stages["engine"]
     assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in eng

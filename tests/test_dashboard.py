@@ -12,7 +12,15 @@ Prometheus scraping a real aggregator and a real simulated engine, and returns d
   500 (so a request is retried); streamed and whole completions go through it.
 * Queries: Grafana's variables substituted as Grafana would with "All" selected
   (``$model`` -> ``.*``, ``$__rate_interval`` -> ``1m``), each panel query and each
-  variable's query returns series from a real Prometheus.
+  variable's query returns series from a real Prometheus. Every rate() is read once
+  Prometheus has scraped each series before and after an increase, and every query at
+  one moment whose latest scrapes had all succeeded (a later failed scrape, under load,
+  would mark the series stale).
+* Replicas and workers: a real Prometheus scraping 2 ``kvevents serve --workers 2`` (and
+  1 x 1) following the same 4 engines; the fleet panels (engines up, index entries,
+  resident blocks per engine and tier, engines connected, processes and replicas,
+  lookups, predicted hit ratio) equal what the engines hold and what was asked, where
+  the old sums read every engine once per process.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from support import PrometheusServer, ServerThread, free_port, require_binary, wait_until
+from support import PrometheusServer, ServerThread, free_port, require_binary, send_answer, wait_until
 from test_metrics import engine_exposition, simulated_engine
 from kvevents.sim.metrics import serve_metrics
 from kvevents.api import create_app
@@ -47,9 +55,14 @@ DASHBOARD = Path(__file__).resolve().parent.parent / "dashboard/grafana/dashboar
 
 # Grafana's variables as Grafana substitutes them with "All" selected.
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m",
-                "$model": ".*", "$engine": ".*", "$instance": ".*"}
+                "$model": ".*", "$engine": ".*", "$instance": ".*", "$replica": ".*",
+                "$worker": ".*"}
 METRIC = re.compile(r"\b(?:kvevents_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 _ENGINE_SELECTORS = ("engine=~\"$engine\"", "instance=~\"$instance\"")
+# The aggregator's processes: instance (one per replica scraped) and worker (one per
+# ``serve --workers`` process; absent with one worker, which ".*" matches).
+_PROCESS_SELECTORS = ('instance=~"$replica"', 'worker=~"$worker"')
+_PROCESS_METRICS = ("kvevents_index_", "kvevents_ingest_", "kvevents_worker_", "kvevents_workers")
 # Gateway series without the usual pair of labels (kvevents/gateway/metrics.py): which of
 # model_name and engine each one carries. Their selectors name exactly those (a selector
 # on a label a series lacks would match nothing); every other gateway series has both.
@@ -59,6 +72,9 @@ _GATEWAY_PARTIAL_LABELS = {
     "kvevents_gateway_inflight_requests": {"engine"},
     "kvevents_gateway_retries_total": set(),
     "kvevents_gateway_untokenized_total": set(),
+    # Routed by less than the whole prompt (reason="image", "prompt_embeds", ...): what
+    # the request held, counted across models like the untokenized ones.
+    "kvevents_gateway_partial_prompts_total": set(),
     # Closed by the server's limits (reason="header_timeout", ...): before any routing,
     # so neither an engine's nor a model's.
     "kvevents_gateway_connections_closed_total": set(),
@@ -131,7 +147,7 @@ def test_dashboard_structure(dash):
         ("grafana", "grafana"), ("datasource", "prometheus"), ("panel", "timeseries"), ("panel", "stat")}
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("model", "engine", "instance"):
+    for name in ("model", "engine", "instance", "replica", "worker"):
         v = variables[name]
         assert v["type"] == "query" and v["includeAll"] and v["allValue"] == ".*", name
         assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, name
@@ -164,8 +180,13 @@ def test_dashboard_structure(dash):
         # Rates follow Grafana's scrape-aware interval; only "last hour" stats are fixed.
         assert all(w == "$__rate_interval" or (w == "1h" and "(1h)" in title) for w in windows), (title, expr)
         for name in METRIC.findall(expr):
-            if name.startswith(("kvevents_index_",)):
-                continue  # whole-index gauges carry no model or engine
+            if name.startswith("kvevents_") and not name.startswith("kvevents_sim_"):
+                # Every aggregator series is one process's: the replica and worker
+                # variables select processes on every one of them.
+                selector = re.search(re.escape(name) + r"\{([^}]*)\}", expr)
+                assert selector and all(s in selector.group(1) for s in _PROCESS_SELECTORS), (title, name)
+            if name.startswith(_PROCESS_METRICS):
+                continue  # a process's own (its index, ingest loop, workers): no model or engine
             base = re.sub(r"_(bucket|sum|count)$", "", name)
             if base in _GATEWAY_PARTIAL_LABELS:
                 selector = re.search(re.escape(name) + r"\{([^}]*)\}", expr)
@@ -178,6 +199,154 @@ def test_dashboard_structure(dash):
             assert selector and 'model_name=~"$model"' in selector.group(1), (title, name)
             if not name.startswith("kvevents_lookup"):
                 assert any(s in selector.group(1) for s in _ENGINE_SELECTORS), (title, name)
+
+
+# --- per-process series: one copy per worker of every replica -----------------------------
+
+#: PromQL's aggregation operators.
+_AGGREGATIONS = {"sum", "min", "max", "avg", "count", "group", "stddev", "stdvar", "topk",
+                 "bottomk", "quantile", "count_values"}
+#: Labels that tell the aggregator's processes apart: Prometheus' instance (a replica),
+#: the Prometheus operator's and Kubernetes discovery's pod, and serve --workers' worker.
+_PROCESS_LABELS = {"instance", "pod", "worker", "replica"}
+#: Aggregations that keep one process's value of a series every process exports alike.
+_DEDUP = {"max", "min", "avg"}
+
+
+def per_process_copies() -> set[str]:
+    """The aggregator series that every worker of every replica exports alike: the
+    families :class:`StateCollector` builds from the engines' streams and the index
+    (each process follows every engine and indexes all of it), read from the functions
+    that build them, so a family added there is covered here. Not the ingest loop's
+    own health (``ingest_health``: each process's own), nor what is observed per
+    request or lookup (the gateway's and lookups' metrics: each process counts its own
+    requests, so those are summed)."""
+    import inspect
+
+    from kvevents.service.metrics import collector
+
+    names = set()
+    for fn in (collector.applied_events, collector.index_anomalies, collector.resident_blocks,
+               collector.stream_stats, collector.ingest_recovery, collector.apply_errors,
+               collector.refused_events, collector.index_totals):
+        src = inspect.getsource(fn)
+        for m in re.finditer(r'(Counter|Gauge)MetricFamily\(\s*"(kvevents_\w+)"', src):
+            names.add(m.group(2) + ("_total" if m.group(1) == "Counter" else ""))
+    return names
+
+
+def _matching(expr: str, at: int, step: int) -> int:
+    """Index of the parenthesis matching the one at ``at`` (``step`` -1: an opening one
+    to the left of a closing one; +1: a closing one to the right of an opening one)."""
+    depth = 0
+    i = at
+    while 0 <= i < len(expr):
+        depth += {"(": 1, ")": -1}.get(expr[i], 0) * step
+        if depth == 0:
+            return i
+        i += step
+    raise AssertionError(f"unbalanced parentheses in {expr!r}")
+
+
+def enclosing_aggregations(expr: str, at: int) -> list[tuple[str, str, set[str]]]:
+    """The aggregations around position ``at`` of ``expr``, innermost first: (operator,
+    "by" or "without" or "", its labels). Handles both ``max by (l) (x)`` and
+    ``max(x) by (l)``."""
+    out = []
+    depth, i = 0, at - 1
+    while i >= 0:
+        c = expr[i]
+        if c == ")":
+            depth += 1
+        elif c == "(":
+            if depth:
+                depth -= 1
+            else:  # an unclosed "(" left of ``at``: what opens it?
+                before = expr[:i].rstrip()
+                clause, labels = "", set()
+                if before.endswith(")"):  # "op by (labels) (" / "op without (labels) ("
+                    open_at = _matching(before, len(before) - 1, -1)
+                    labels = {x.strip() for x in before[open_at + 1:-1].split(",") if x.strip()}
+                    head = before[:open_at].rstrip()
+                    m = re.search(r"(\w+)\s+(by|without)$", head)
+                    op, clause = (m.group(1), m.group(2)) if m else ("", "")
+                else:
+                    m = re.search(r"(\w+)$", before)
+                    op = m.group(1) if m else ""
+                    after = expr[_matching(expr, i, 1) + 1:]
+                    m = re.match(r"\s*(by|without)\s*\(([^)]*)\)", after)
+                    if m:
+                        clause = m.group(1)
+                        labels = {x.strip() for x in m.group(2).split(",") if x.strip()}
+                if op in _AGGREGATIONS:
+                    out.append((op, clause, labels))
+        i -= 1
+    return out
+
+
+def per_process_misuse(expr: str, copies: set[str]) -> list[str]:
+    """Why ``expr`` miscounts a series every aggregator process exports alike (empty: it
+    does not). Each use must sit inside a ``max``, ``min`` or ``avg`` that aggregates the
+    process labels away (``by`` without them), before anything else adds the copies up."""
+    problems = []
+    for m in re.finditer(r"\b(kvevents_[a-z0-9_]+)", expr):
+        if m.group(1) not in copies:
+            continue
+        aggs = enclosing_aggregations(expr, m.start())
+        if not aggs:
+            problems.append(f"{m.group(1)}: one series per process, not aggregated")
+            continue
+        op, clause, labels = aggs[0]
+        if op not in _DEDUP:
+            problems.append(f"{m.group(1)}: {op} adds up one copy per process (take max by the "
+                            f"series' own labels)")
+        elif clause == "by" and labels & _PROCESS_LABELS:
+            problems.append(f"{m.group(1)}: {op} by {sorted(labels)} keeps one copy per process")
+        elif clause == "without" and not {"instance", "worker"} <= labels:
+            problems.append(f"{m.group(1)}: {op} without {sorted(labels)} keeps the process labels")
+    return problems
+
+
+def test_the_per_process_copies_are_the_engines_and_the_index():
+    copies = per_process_copies()
+    assert {"kvevents_engine_up", "kvevents_resident_blocks", "kvevents_index_entries",
+            "kvevents_index_distinct_blocks", "kvevents_engine_lag_seconds",
+            "kvevents_batches_total", "kvevents_lost_batches_total",
+            "kvevents_block_events_applied_total"} <= copies
+    assert not {n for n in copies if n.startswith(("kvevents_gateway_", "kvevents_lookup",
+                                                    "kvevents_ingest_"))}
+
+
+def test_the_misuse_check_catches_sums_of_copies():
+    """The check is not vacuous: each way a dashboard used to miscount fails it, and the
+    ways that count right pass."""
+    copies = per_process_copies()
+    wrong = ["sum(kvevents_engine_up)", "kvevents_index_entries",
+             "sum by (engine, tier) (kvevents_resident_blocks)", "count(kvevents_engine_up)",
+             "sum by (engine) (rate(kvevents_batches_total[1m]))",
+             "max by (instance, engine) (kvevents_engine_up)",
+             "sum(max(kvevents_engine_up) by (engine, worker))",
+             "max without (worker) (kvevents_resident_blocks)"]
+    for expr in wrong:
+        assert per_process_misuse(expr, copies), expr
+    right = ["sum(max by (engine) (kvevents_engine_up))", "max(kvevents_index_entries)",
+             'max by (engine, tier) (kvevents_resident_blocks{engine=~"e.*"})',
+             "count(max by (engine) (kvevents_engine_up))",
+             "sum(max(rate(kvevents_batches_total[1m])) by (engine))",
+             "min without (instance, worker, pod) (kvevents_engine_up)",
+             "sum by (engine) (rate(kvevents_gateway_requests_total[1m]))"]
+    for expr in right:
+        assert not per_process_misuse(expr, copies), expr
+
+
+def test_no_panel_adds_up_per_process_copies(dash):
+    """With 2 replicas x 2 workers each engine's series comes 4 times: a panel that sums
+    them (or shows them bare) reads 4 engines as 16. Every use of such a series takes
+    max/min/avg over the processes first."""
+    copies = per_process_copies()
+    problems = [(title, p) for title, expr in raw_queries(dash)
+                for p in per_process_misuse(expr, copies)]
+    assert not problems, problems
 
 
 def test_panels_use_exported_metrics_and_every_metric_has_a_panel(dash):
@@ -262,11 +431,7 @@ class FailingOpenAIServer:
                                   b'"param": null, "code": null}}', "application/json")
 
             def _answer(self, status: int, body: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("content-type", ctype)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send_answer(self, status, body, ctype)
 
             def log_message(self, *args) -> None:
                 pass
@@ -297,7 +462,11 @@ def _gateway_requests(srv: ServerThread) -> None:
                 "model": "llama", "prompt": prompt, "max_tokens": 2, "stream": True,
                 "stream_options": {"include_usage": True}}) as s:
             assert s.status_code == 200
-            assert any('"cached_tokens"' in line for line in s.iter_lines())
+            # Read to the end, as a client does: one that leaves after the usage chunk,
+            # before [DONE], is counted as gone (499), not answered.
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert any('"cached_tokens"' in line for line in lines), lines[-3:]
         r = httpx.post(url, json={"model": "llama", "prompt": prompt, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200, r.text
 
@@ -361,33 +530,50 @@ def test_every_query_returns_data_from_prometheus(dash, tmp_path):
 
             # Every aggregator metric a panel names is in the aggregator's /metrics.
             exported = sample_names(httpx.get(f"{srv.url}/metrics").text)
+            # (kvevents_worker_*: the --workers N supervisor's, absent with one worker;
+            # the panel that reads them falls back to 0)
             used = {m for _, q in all_queries for m in METRIC.findall(q)
-                    if not m.startswith(("vllm:", "kvevents_sim_"))}
+                    if not m.startswith(("vllm:", "kvevents_sim_", "kvevents_worker_"))}
             assert used, "the dashboard has no aggregator panels"
             assert used <= exported, f"not exported by the aggregator: {sorted(used - exported)}"
 
-            # Two scrapes around a second round of events and lookups give every rate()
-            # an increase to compute.
+            # Every rate() needs two scrapes of each series that show an increase: one
+            # that began after round 0 (which created the lookup, gateway and event
+            # series: a scrape that began during it may lack them) and one after round 1.
+            # Then every query is evaluated at one moment when the latest scrape of each
+            # target had succeeded (a scrape that fails later, under load, marks the
+            # series stale from then on; it changes nothing at that moment).
             prom.wait_ready()
-            assert wait_until(lambda: len(prom.query("up == 1")) == 2, 20, 0.2)
-            first = time.time()
+            round_0_end = time.time()
+
+            def scraped_after(t: float, at: float | None = None) -> bool:
+                stamps = prom.query("timestamp(kvevents_lookups_total)", at)
+                return bool(stamps) and all(float(r["value"][1]) > t for r in stamps)
+
+            assert wait_until(lambda: scraped_after(round_0_end), 20, 0.2), \
+                prom.query("up[30s]")
             _exercise(srv, eng, 1)
+            round_1_end = time.time()
 
-            def scraped_since_round_1() -> bool:
-                res = prom.query("timestamp(kvevents_lookups_total)")
-                return bool(res) and float(res[0]["value"][1]) > first + 0.2
+            def settled(at: float) -> bool:
+                return (scraped_after(round_1_end, at)
+                        and bool(prom.query("count_over_time(kvevents_lookups_total[1m]) >= 2", at))
+                        and bool(prom.query("timestamp(vllm:prompt_tokens_total)", at))
+                        and bool(prom.query("count_over_time(vllm:prompt_tokens_total[1m]) >= 2", at)))
 
-            assert wait_until(scraped_since_round_1, 20, 0.2)
-            assert wait_until(lambda: prom.query("count_over_time(vllm:prompt_tokens_total[1m]) >= 2"), 20, 0.2)
+            deadline = time.monotonic() + 20
+            while not settled(at := time.time()):
+                assert time.monotonic() < deadline, prom.query("up[30s]")
+                time.sleep(0.2)
             for title, q in all_queries:
-                assert prom.query(q), f"{title}: {q!r} returned no series"
+                assert prom.query(q, at), f"{title}: {q!r} returned no series"
             for v in dash["templating"]["list"]:
-                if v["type"] == "query":
-                    assert prom.query(_variable_query(v["query"]["query"])), v["name"]
+                if v["type"] == "query" and v["name"] != "worker":  # (one worker: no label)
+                    assert prom.query(_variable_query(v["query"]["query"]), at), v["name"]
             # (the lookups' own: the gateway's routing looks prompts up too, as api="route")
             ratio = prom.query('sum by (tier) (rate(kvevents_lookup_tier_tokens_total{api="lookup"}[5m])) '
                                '/ ignoring(tier) group_left '
-                               'sum(rate(kvevents_lookup_prompt_tokens_total{api="lookup"}[5m]))')
+                               'sum(rate(kvevents_lookup_prompt_tokens_total{api="lookup"}[5m]))', at)
             assert {r["metric"]["tier"]: round(float(r["value"][1]), 3) for r in ratio} == {"GPU": 0.6}
             # The gateway's figures: one retry (engine-0's 500) per round, every answer
             # from engine-1, and the engine reused what the index predicted, short of the
@@ -408,3 +594,168 @@ def test_every_query_returns_data_from_prometheus(dash, tmp_path):
             httpd.shutdown()
             failing.close()
     eng.pub.shutdown(0.5)
+
+
+# --- true across replicas and workers ------------------------------------------------------
+
+def _panel_expr(dash: dict, title: str, metric: str) -> str:
+    """The one query of panel ``title`` that reads ``metric``, variables substituted."""
+    found = [q for t, q in queries(dash) if t == title and re.search(rf"\b{metric}\b", q)]
+    assert len(found) == 1, (title, metric, found)
+    return found[0]
+
+
+def _by_worker(text: str, name: str) -> dict[str, float]:
+    """Metric ``name`` summed per worker of one scrape (no worker label: one process)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name:
+                w = s.labels.get("worker", "0")
+                out[w] = out.get(w, 0.0) + s.value
+    return out
+
+
+#: Engine i holds 2 + i blocks on the GPU and i on the CPU (block size 4): the truth.
+_N_ENGINES, _BS = 4, 4
+_GPU = {f"e{i}": 2 + i for i in range(_N_ENGINES)}
+_CPU = {f"e{i}": i for i in range(_N_ENGINES)}
+
+
+def _engine_batch(i: int) -> KVEventBatch:
+    """Engine i's cache: a GPU chain and a CPU chain, every block's tokens its own."""
+    gpu = [10_000 * (i + 1) + t for t in range(_GPU[f"e{i}"] * _BS)]
+    cpu = [10_000 * (i + 1) + 5_000 + t for t in range(_CPU[f"e{i}"] * _BS)]
+    events = [BlockStored([100 * i + b for b in range(_GPU[f"e{i}"])], None, gpu, _BS, None, "GPU", None)]
+    if cpu:
+        events.append(BlockStored([100 * i + 50 + b for b in range(_CPU[f"e{i}"])], None, cpu, _BS,
+                                  None, "CPU", None))
+    return KVEventBatch(time.time(), events)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("replicas, workers", [(2, 2), (1, 1)], ids=["2x2", "1x1"])
+def test_panels_are_true_across_replicas_and_workers(dash, tmp_path, replicas, workers):
+    """A real Prometheus scraping ``replicas`` real ``kvevents serve --workers N`` processes
+    that all follow the same 4 engines: the fleet panels read what the engines hold and
+    what was asked, whatever the number of processes (each exports its own copy of every
+    engine's series), where the old dashboard's sums read each copy once more."""
+    from test_workers import _serve
+
+    binary = require_binary("prometheus")
+    pubs = [_Publisher() for _ in range(_N_ENGINES)]
+    endpoints = [a for i, p in enumerate(pubs) for a in (
+        "--endpoint", f"e{i}=tcp://127.0.0.1:{p.live},replay=tcp://127.0.0.1:{p.replay},model=llama")]
+    ports = [free_port() for _ in range(replicas)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    procs = [_serve(port, "--workers", str(workers), *endpoints, log=tmp_path / f"serve-{n}.log")
+             for n, port in enumerate(ports)]
+    prom = PrometheusServer(tmp_path, {"kvevents-aggregator": [f"127.0.0.1:{p}" for p in ports]}, binary)
+    processes = replicas * workers
+
+    def scrape(url: str) -> str:
+        try:
+            with httpx.Client(timeout=5) as client:  # a new connection: any worker
+                r = client.get(url + "/metrics")
+            return r.text if r.status_code == 200 else ""
+        except httpx.HTTPError:
+            return ""
+
+    def everywhere(name: str, value: float) -> bool:
+        """Every worker of every replica has ``name`` summed to ``value``."""
+        return all(_by_worker(scrape(u), name) == {str(w): value for w in range(workers)}
+                   for u in urls)
+
+    def ready(url: str) -> bool:
+        try:
+            return httpx.get(url + "/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        for n, url in enumerate(urls):
+            assert wait_until(lambda: ready(url), 40, 0.2), (tmp_path / f"serve-{n}.log").read_text()
+        assert wait_until(lambda: everywhere("kvevents_engine_up", _N_ENGINES), 20, 0.2)
+        for i, pub in enumerate(pubs):
+            pub.pub.publish(_engine_batch(i))
+        blocks = sum(_GPU.values()) + sum(_CPU.values())
+        # Every process applied every block (a batch sent before a subscription took
+        # effect is replayed).
+        assert wait_until(lambda: everywhere("kvevents_block_events_applied_total", blocks), 30, 0.2), \
+            [_by_worker(scrape(u), "kvevents_block_events_applied_total") for u in urls]
+
+        # Lookups, each on a connection of its own (so over every worker), in two rounds
+        # that Prometheus scrapes between: rate() sees them increase. Each matches the
+        # 16 leading tokens of e3's GPU chain out of 20: the predicted hit ratio is 0.8.
+        prompt = [10_000 * _N_ENGINES + t for t in range(16)] + [7, 7, 7, 7]
+        prom.wait_ready()
+
+        def scraped_after(t: float, at: float | None = None) -> bool:
+            stamps = prom.query("timestamp(kvevents_index_entries)", at)
+            return len(stamps) == processes and all(float(r["value"][1]) > t for r in stamps)
+
+        sent = 0
+        for _ in range(2):
+            for k in range(8):
+                r = httpx.post(urls[k % replicas] + "/v1/lookup", json={"token_ids": prompt, "model": "llama"},
+                               timeout=5)
+                assert r.json()["engines"][0] == {"engine": "e3", "matched_tokens": 16, "tiers": {"GPU": 16}}, r.text
+                sent += 1
+            end = time.time()
+            assert wait_until(lambda: scraped_after(end), 20, 0.2), prom.query("up")
+
+        at = time.time()  # every process scraped after the last lookup: the moment to read
+
+        def value(q: str) -> float:
+            res = prom.query(q, at)
+            assert len(res) == 1, (q, res)
+            return float(res[0]["value"][1])
+
+        def by(q: str, *labels: str) -> dict:
+            return {tuple(r["metric"][k] for k in labels): float(r["value"][1]) for r in prom.query(q, at)}
+
+        shown = {
+            "engines up": value(_panel_expr(dash, "Engines up", "sum")),
+            "engines": value(_panel_expr(dash, "Engines up", "count")),
+            "index entries": value(_panel_expr(dash, "Index entries", "kvevents_index_entries")),
+            "distinct blocks": value(_panel_expr(dash, "Index entries", "kvevents_index_distinct_blocks")),
+            "processes": value(_panel_expr(dash, "Aggregator processes",
+                                           r"count\(kvevents_ingest_heartbeat_timestamp_seconds")),
+            "replicas": value(_panel_expr(dash, "Aggregator processes", "count by")),
+            "hit ratio": round(value(_panel_expr(dash, "Predicted hit ratio (any tier)", "sum")), 6),
+        }
+        assert shown == {"engines up": 4.0, "engines": 4.0, "index entries": float(blocks),
+                         "distinct blocks": float(blocks), "processes": float(processes),
+                         "replicas": float(replicas), "hit ratio": 0.8}, shown
+        resident = by(_panel_expr(dash, "Resident blocks per engine and tier", "kvevents_resident_blocks"),
+                      "engine", "tier")
+        assert resident == {**{(e, "GPU"): float(n) for e, n in _GPU.items()},
+                            **{(e, "CPU"): float(n) for e, n in _CPU.items() if n}}, resident
+        connected = by(_panel_expr(dash, "Engine connected (every replica and worker)", "min"), "engine")
+        assert connected == {(f"e{i}",): 1.0 for i in range(_N_ENGINES)}
+        # Lookups are each process's own: the panel sums them. Its aggregation over the
+        # counters themselves (not their rate) gives every lookup sent, once.
+        lookups = _panel_expr(dash, "Lookups / s", "kvevents_lookups_total")
+        counted = re.sub(r"rate\((kvevents_lookups_total\{[^}]*\})\[[^\]]+\]\)", r"\1", lookups)
+        assert counted != lookups
+        assert by(counted, "api") == {("lookup",): float(sent)}
+
+        # What the dashboard used to ask: one copy per process.
+        old_up = value('sum(kvevents_engine_up{engine=~".*"})')
+        old_resident = by("sum by (engine, tier) (kvevents_resident_blocks)", "engine", "tier")
+        assert old_up == 4.0 * processes
+        assert old_resident == {k: v * processes for k, v in resident.items()}
+        assert value("sum(kvevents_index_entries)") == blocks * processes
+    finally:
+        prom.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for pub in pubs:
+            pub.pub.shutdown(0.5)

@@ -110,7 +110,9 @@ def test_demo_runs_a_live_fleet_exactly_with_prometheus_and_the_page(tmp_path):
         for title, expr in queries:
             query_at(expr)
             names.update(_METRIC.findall(expr))
-        missing = {name for name in names if not query_at(f'{{__name__="{name}"}}')}
+        # (kvevents_worker_*: the --workers N supervisor's, absent from the demo's one process)
+        missing = {name for name in names if not name.startswith("kvevents_worker_")
+                   and not query_at(f'{{__name__="{name}"}}')}
         assert not missing, f"panel metrics with no data from the demo: {sorted(missing)}"
         out, _ = demo.communicate(timeout=180)
     finally:

@@ -37,8 +37,15 @@ OTHER_PROGRAMS_FLAGS = {
     "--kv-events-config", "--kv-transfer-config", "--enable-prefix-caching",
     "--enable-prompt-tokens-details", "--model", "--data-parallel-size", "--num-gpu-blocks-override",
     "--chat-template", "--chat-template-content-format", "--trust-request-chat-template",
+    "--exclude-tools-when-tool-choice-none",
+    # vllm bench serve's dataset flags (bench_gateway.py --vllm-bench-args)
+    "--dataset-name", "--num-prompts", "--random-input-len", "--random-output-len", "--random-prefix-len",
     # pip, docker, kubectl, curl, mkdocs, pytest, make
     "--index-url", "--target", "--build", "--no-deps", "--strict", "--upgrade",
+    # vllm serve's model naming and cache layout; kubectl create secret; huggingface-cli
+    "--served-model-name", "--block-size", "--from-literal", "--local-dir",
+    # vllm serve's LoRA adapters
+    "--enable-lora", "--lora-modules",
 }
 # Paths of an engine's own HTTP server that the pages mention (vLLM's, not ours).
 ENGINE_PATHS = {"/tokenize", "/metrics/", "/health", "/v1/chat/completions/render"}
@@ -366,6 +373,7 @@ def test_benchmark_commands_use_their_scripts_flags():
     bad = {}
     for f in [BENCH_README, DOCS / "benchmarks.md", ROOT / "README.md"]:
         for line in f.read_text().splitlines():
+            line = re.sub(r'"[^"]*"', "VALUE", line)  # a quoted value (another program's flags)
             for script, args in re.findall(r"\bbenchmarks/(\w+\.py)((?:\s+--?[\w-]+(?:[ =][^\s`-][^\s`]*)?)*)", line):
                 src = script_source(f"benchmarks/{script}")
                 for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", args):
@@ -470,3 +478,24 @@ def test_flag_tables_in_hand_written_pages_are_the_parsers(site):
             assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), f"{page}: {flag} missing"
     for html in site.rglob("*.html"):
         assert "kvevents-flags:" not in html.read_text(), f"{html}: a flag marker was not replaced"
+
+
+#: How the work was tracked, which readers never see: "issue 21", "issues 20 and 21",
+#: "#32", work items such as "P3".
+_WORK_REFERENCES = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w&/(])(?<!\]: )#\d+(?![\w-])|\bP\d{1,2}\b")
+
+
+def test_no_page_names_an_issue_or_work_item():
+    pages = HAND_WRITTEN + [BENCH_README, ROOT / "CHANGELOG.md", ROOT / "deploy/kubernetes/README.md"]
+    found = {}
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks: commands
+        hits = _WORK_REFERENCES.findall(text)
+        if hits:
+            found[str(page.relative_to(ROOT))] = hits
+    assert not found, found
+    assert _WORK_REFERENCES.search("the ingest lane (issue 21)")
+    assert _WORK_REFERENCES.search("ingest 0.96 ms (benchmarks/README.md, P3)")
+    assert _WORK_REFERENCES.search("fixed in #32.")
+    assert not _WORK_REFERENCES.search("p50 / p99 0.42 ms; [link](#the-gateways-cost)")
+    assert not _WORK_REFERENCES.search("[0.2.0]: #020---2026-11-25")

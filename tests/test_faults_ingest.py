@@ -22,7 +22,7 @@ import httpx
 import pytest
 import zmq
 
-from support import HeldProxy, free_port, rebind, wait_until
+from support import HeldProxy, free_port, rebind, stop_process, wait_until
 from kvevents.service.aggregator import Aggregator
 from kvevents.wire.publisher import PublisherConfig, ZmqEventPublisher
 from kvevents.wire.schema import BatchEncoder, BlockRemoved, BlockStored, KVEventBatch
@@ -487,13 +487,7 @@ class Server:
 
     def close(self) -> None:
         self.http.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._log.close()
+        stop_process(self.proc, self._log)
 
 
 class Fleet:

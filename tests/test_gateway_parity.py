@@ -94,3 +94,28 @@ def test_an_engine_that_renders_otherwise_is_caught_and_its_ids_used(tok_dir):
         assert eng.stats.tokenized >= 4  # the checks, then the ids themselves
         log = g.log_text()
         assert log.count("differs from engine") == 1 and "routing it with the engines' /tokenize ids" in log
+
+
+def test_the_tools_of_tool_choice_none_are_left_out_for_an_engine_that_drops_them(tok_dir, tmp_path):
+    """``exclude_tools_when_tool_choice_none=true``: the gateway renders a chat with
+    ``tool_choice: "none"`` without its tools, and its parity checks ask ``/tokenize``
+    (which takes no ``tool_choice``) without them too, so they match; a chat with another
+    choice keeps its tools on both sides."""
+    from kvevents.demo.chat_templates import TOOLS
+
+    (tmp_path / "engine.jinja").write_text(TOOLS)
+    # (every field vLLM hands the template written out: the fake engine renders the raw dict)
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    with _engines(tok_dir, template=TOOLS) as eng, GatewayProcess(
+            eng.urls, "--tokenizer", f"fake={tok_dir},chat_template={tmp_path / 'engine.jinja'},"
+                                     "exclude_tools_when_tool_choice_none=true",
+            "--token-parity-sample-rate", "1") as g:
+        for i, choice in enumerate(("none", "none", "auto")):
+            resp = httpx.post(g.url + "/v1/chat/completions", json={
+                "model": "fake", "max_tokens": 2, "tools": [weather], "tool_choice": choice,
+                "messages": [{"role": "user", "content": f"hello {i}"}]})
+            assert resp.status_code == 200, resp.text
+        assert wait_for(lambda: g.metric("kvevents_gateway_token_parity_checks_total", result="match") == 3, 5), \
+            g.log_text()[-2000:]
+        assert g.metric("kvevents_gateway_token_parity_checks_total", result="mismatch") == 0

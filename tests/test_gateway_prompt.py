@@ -133,3 +133,8 @@ def test_tokenizer_options_name_the_engines_template_and_content_format(tmp_path
     assert TokenizerRegistry.load([("m", str(path))]).get("m").chat.content_format == "openai"  # its own
     with pytest.raises(TokenizerLoadError, match="content_format"):
         TokenizerRegistry.load([("m", f"{path},content_format=xml")])
+    assert not tok.exclude_tools_when_tool_choice_none  # vLLM's default
+    drops = TokenizerRegistry.load([("m", f"{path},exclude_tools_when_tool_choice_none=true")]).get("m")
+    assert drops.drops_tools("none") and not drops.drops_tools("auto") and not tok.drops_tools("none")
+    with pytest.raises(TokenizerLoadError, match="exclude_tools_when_tool_choice_none must be true or false"):
+        TokenizerRegistry.load([("m", f"{path},exclude_tools_when_tool_choice_none=maybe")])

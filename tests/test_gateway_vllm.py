@@ -48,14 +48,18 @@ NAMES = ("e0", "e1")
 STARTUP = 420.0  # both engines on 2 cores: 40-90 s, more on a loaded machine
 pytestmark = pytest.mark.timeout(900)
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 12}
+ADAPTERS = ("sql", "chat")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from kvevents.demo.tiny_model import make_tiny_model
+    from kvevents.demo.tiny_model import make_tiny_lora, make_tiny_model
 
     tmp = tmp_path_factory.mktemp("gateway-vllm")
     model = make_tiny_model(tmp / "tiny-llama", tokenizer=True)
+    # Two LoRA adapters on every engine (random weights, PEFT layout, rank 8).
+    lora_args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules",
+                 *(f"{name}={make_tiny_lora(tmp / name, model, seed)}" for seed, name in enumerate(ADAPTERS))]
     port, http = free_port(), [free_port() for _ in NAMES]
     events = [(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}") for _ in NAMES]
     cmd = [sys.executable, "-m", "kvevents.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -66,7 +70,7 @@ def stack(tmp_path_factory):
     with open(serve_log, "w") as log:
         serve = subprocess.Popen(cmd, cwd=ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT)
     fleet = VllmFleet(model, events, log_dir=tmp, ports=http, served_model_name=MODEL,
-                      num_gpu_blocks=160, max_model_len=4096).start()  # both start while serve does
+                      num_gpu_blocks=160, max_model_len=4096, extra_args=lora_args).start()  # both start while serve does
     gw = f"http://127.0.0.1:{port}"
     try:
         def serving() -> bool:
@@ -333,6 +337,74 @@ def test_routing_follows_index(stack):
     stack["holder"] = (x, prompt)
     print(f"prompt of 100 ids served by {x}, then routed there again; predicted {predicted:g}, "
           f"reported {reported:g} cached tokens")
+
+
+# ---- c. cache identity: adapters and tenants (cache_salt) ------------------------------------
+
+
+def _complete(gw: str, body: dict) -> tuple[str, int]:
+    """(the engine that served it, the cached tokens it reported)."""
+    r = _post(gw + "/v1/completions", {**body, **GREEDY})
+    assert r.status_code == 200, r.text
+    return r.headers["x-kvevents-engine"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _held(gw: str, ids: list[int], **identity) -> dict[str, int]:
+    resp = _post(gw + "/v1/lookup", {"token_ids": ids, "model": MODEL, **identity}).json()
+    return {e["engine"]: e["matched_tokens"] for e in resp["engines"]}
+
+
+def _totals(gw: str) -> tuple[float, float]:
+    got = [_accuracy(gw, n) for n in NAMES]
+    return sum(p for p, _ in got), sum(r for _, r in got)
+
+
+def test_adapters_and_salts_are_their_own_caches(stack):
+    """The same ids under two adapters, two salts and none: each its own cache on the
+    engines (their reported cached tokens), routed back to its holder, found by a
+    lookup only under its identity, and never predicted from another identity's blocks."""
+    gw = stack["gw"]
+    listed = {m["id"]: m.get("parent") for m in httpx.get(gw + "/v1/models", timeout=10).json()["data"]}
+    assert listed.get("sql") == MODEL and listed.get("chat") == MODEL, listed
+    # The gateway learns the adapters from the engines' /v1/models (at once, then
+    # every few seconds while an engine has not answered).
+    assert wait_until(lambda: _post(gw + "/v1/completions", {"model": "sql", "prompt": [5, 6, 7],
+                                                            "max_tokens": 1}).status_code == 200,
+                      timeout=30, interval=0.5)
+    before = _totals(gw)
+    ids = list(range(600, 700))  # 100 ids: three full blocks
+    holders = {}
+    for ident in ({"model": "sql"}, {"model": "chat"}, {"model": MODEL},
+                  {"model": MODEL, "cache_salt": "tenant-a"}, {"model": MODEL, "cache_salt": "tenant-b"}):
+        engine, cached = _complete(gw, {**ident, "prompt": ids})
+        assert cached == 0, (ident, cached)  # another identity's blocks are not this one's
+        lookup = {"lora_name": ident["model"]} if ident["model"] != MODEL else {}
+        lookup.update({k: v for k, v in ident.items() if k == "cache_salt"})
+        assert wait_until(lambda: _held(gw, ids, **lookup) == {engine: 96}, timeout=15, interval=0.1), \
+            (ident, _held(gw, ids, **lookup))
+        again, cached = _complete(gw, {**ident, "prompt": ids + [1, 2, 3]})
+        assert (again, cached) == (engine, 96), (ident, again, cached)
+        holders[json.dumps(ident)] = engine
+    assert _held(gw, ids, cache_salt="tenant-c") == {}
+    assert _held(gw, ids, lora_name="sql", cache_salt="tenant-a") == {}
+    # Salted chats: once the index holds the first, the second goes to its engine.
+    chat = {"model": MODEL, "cache_salt": "tenant-a", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "tell me about the sea " * 30}]}
+    first = _post(gw + "/v1/chat/completions", chat)
+    assert first.status_code == 200, first.text
+    x = first.headers["x-kvevents-engine"]
+    probe = {"model": MODEL, "cache_salt": "tenant-a", "messages": chat["messages"]}
+    assert wait_until(lambda: x in [e["engine"] for e in _post(gw + "/v1/lookup", probe).json()["engines"]],
+                      timeout=15, interval=0.1)
+    assert _post(gw + "/v1/lookup", {**probe, "cache_salt": "tenant-b"}).json()["engines"] == []
+    second = _post(gw + "/v1/chat/completions", chat)
+    assert second.headers["x-kvevents-engine"] == x
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    predicted, reported = (a - b for a, b in zip(_totals(gw), before))
+    assert predicted == reported >= 5 * 96, (predicted, reported)  # no false hit, no miss
+    print(f"identities {holders}; predicted {predicted:g}, reported {reported:g} cached tokens")
+    log = stack["log"].read_text()
+    assert "tenant-a" not in log and "tenant-a" not in _metrics(gw)
 
 
 # ---- e. bad bodies: OpenAI-shaped 4xx --------------------------------------------------------

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
 BASE = K8S / "base"
 DNS = K8S / "overlays" / "dns"
+ENGINES = K8S / "engines"
+MONITORING = K8S / "monitoring"
 
 # The Kubernetes versions whose schemas every object must pass: an older release still
 # widely run, and the newest that kubernetes-validate (>=1.37, the dev extra) bundles.
@@ -52,7 +54,7 @@ POD_NAMESPACE = "inference"  # what the downward API would give, for $(POD_NAMES
 
 #: Keys of a kustomization this renderer implements; anything else is refused, so it
 #: never silently renders something kustomize would render differently.
-_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "labels", "patches"}
+_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "labels", "patches", "images"}
 #: Strategic merge: lists of objects merged by a key (the Kubernetes API's
 #: patchMergeKey), and lists replaced whole (no patch strategy). Only the lists these
 #: patches touch; any other list is refused.
@@ -102,8 +104,10 @@ def render(root: Path) -> list[dict]:
     """``kustomize build ROOT`` for: ``resources`` (files, and directories holding a
     kustomization), ``patches`` given by ``path`` (strategic merge, matched by
     apiVersion/kind/name; ``$patch: delete`` removes the object) and ``labels`` with
-    ``pairs`` only (added to ``metadata.labels``, not to selectors or templates).
-    Patches are applied before labels, in kustomize's order. Anything else raises."""
+    ``pairs`` only (added to ``metadata.labels``, not to selectors or templates), and
+    ``images`` (``name`` with ``newName`` and/or ``newTag``: the image of every container
+    and initContainer named ``name``, with or without a tag, rewritten). Patches are
+    applied before labels and images, in kustomize's order. Anything else raises."""
     kust = yaml.safe_load((root / "kustomization.yaml").read_text())
     if set(kust) - _KUSTOMIZATION_KEYS:
         raise NotImplementedError(f"{root}: {sorted(set(kust) - _KUSTOMIZATION_KEYS)}")
@@ -128,10 +132,25 @@ def render(root: Path) -> list[dict]:
             raise NotImplementedError(f"{root}: labels {entry}")
         for obj in objects:
             obj["metadata"].setdefault("labels", {}).update(entry["pairs"])
+    for entry in kust.get("images", []):
+        if not set(entry) <= {"name", "newName", "newTag"}:  # digest: not implemented
+            raise NotImplementedError(f"{root}: images {entry}")
+        for obj in objects:
+            pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+            for c in pod.get("containers", []) + pod.get("initContainers", []):
+                name, _, tag = c["image"].partition(":")
+                if name == entry["name"]:
+                    name = entry.get("newName", name)
+                    tag = entry.get("newTag", tag)
+                    c["image"] = f"{name}:{tag}" if tag else name
     return objects
 
 
-RENDERED = {"base": render(K8S), "dns": render(DNS)}
+RENDERED = {"base": render(K8S), "dns": render(DNS), "engines": render(ENGINES),
+            "monitoring": render(MONITORING)}
+#: The variants that kubernetes-validate checks (the monitoring objects are the
+#: Prometheus operator's custom resources: no schema there; checked field by field below).
+CORE = ("base", "dns", "engines")
 
 
 def _one(variant: str, kind: str) -> dict:
@@ -168,8 +187,10 @@ def _env(container: dict) -> dict[str, str]:
     for e in container.get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
-        elif e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace":
+        elif "fieldRef" in e["valueFrom"]:
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
             env[e["name"]] = POD_NAMESPACE
+        # secretKeyRef: a Secret's value, which no arg refers to
     return env
 
 
@@ -181,15 +202,17 @@ def test_every_file_is_used():
         files = {"kustomization.yaml"} | {p["path"] for p in kust.get("patches", [])}
         return files | {r for r in kust.get("resources", []) if (root / r).is_file()}
 
-    assert {p.name for p in BASE.iterdir()} == used(BASE)
-    assert {p.name for p in DNS.iterdir()} == used(DNS)
+    for root in (BASE, DNS, ENGINES, MONITORING):
+        assert {p.name for p in root.iterdir()} == used(root), root
     assert {p.name for p in K8S.iterdir()} == {"kustomization.yaml", "README.md", "base",
-                                               "overlays"}
+                                               "overlays", "engines", "monitoring"}
     assert yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"] == ["base"]
     assert yaml.safe_load((DNS / "kustomization.yaml").read_text())["resources"][0] == "../../base"
     readme = (K8S / "README.md").read_text()
     assert "kubectl apply -k deploy/kubernetes " in readme
     assert "kubectl apply -k deploy/kubernetes/overlays/dns " in readme
+    assert "kubectl apply -k deploy/kubernetes/engines " in readme
+    assert "kubectl apply -k deploy/kubernetes/monitoring " in readme
 
 
 def test_rendered_objects():
@@ -202,12 +225,12 @@ def test_rendered_objects():
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvevents", _id(obj)
 
 
-@pytest.mark.parametrize("variant", ["base", "dns"])
+@pytest.mark.parametrize("variant", list(RENDERED))
 def test_kubectl_kustomize_agrees_with_render(variant):
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl not installed (render() and the schema checks still run)")
-    path = K8S if variant == "base" else DNS
+    path = {"base": K8S, "dns": DNS, "engines": ENGINES, "monitoring": MONITORING}[variant]
     r = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
@@ -223,7 +246,7 @@ def test_kubectl_kustomize_agrees_with_render(variant):
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 @pytest.mark.parametrize("variant,obj", [
     pytest.param(v, o, id=f"{v}-{o['kind']}-{o['metadata']['name']}")
-    for v, objs in RENDERED.items() for o in objs
+    for v, objs in RENDERED.items() if v in CORE for o in objs
 ])
 def test_valid_against_the_kubernetes_schema(variant, obj, version):
     assert kubernetes_validate.validate(obj, version, strict=True) == version
@@ -292,9 +315,11 @@ def test_probes_scrape_annotations_and_security(variant):
     assert "prometheus.io/scrape" not in svc["metadata"].get("annotations", {})  # scraped once
     assert container["image"].startswith("kvevents-aggregator:")  # the torch-free image
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert container["securityContext"]["allowPrivilegeEscalation"] is False
-    assert "volumes" not in pod["spec"]  # no ConfigMap: the settings are the args
+    for c in [container, *pod["spec"]["initContainers"]]:
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False, c["name"]
+    # No ConfigMap (the settings are the args): the one volume is the tokenizer's.
+    assert pod["spec"]["volumes"] == [{"name": "tokenizers", "emptyDir": {"sizeLimit": "256Mi"}}]
 
 
 def test_base_rbac_is_get_list_watch_on_pods_for_the_aggregator_only():
@@ -394,11 +419,179 @@ def test_args_are_a_valid_kvevents_serve_command(variant, capsys, monkeypatch):
         assert s.discover_k8s_selector is None and s.discover_interval_s == 5
 
 
-def test_the_aggregator_image_has_the_k8s_extra():
+def test_the_aggregator_image_has_the_k8s_and_text_extras():
     dockerfile = (ROOT / "Dockerfile").read_text()
     agg = dockerfile.split(" AS aggregator\n", 1)[1]
-    assert re.search(r'^RUN pip install "\$\(echo /wheels/kvevents-\*\.whl\)\[k8s\]"', agg, re.M)
+    assert re.search(r'^RUN pip install "\$\(echo /wheels/kvevents-\*\.whl\)\[k8s,text\]"', agg, re.M)
     assert "torch" not in agg
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     assert any(req.startswith("lightkube") for req in extras["k8s"])
+    assert any(req.startswith("tokenizers") for req in extras["text"])
+
+
+# --- the production path: image, engines, tokens, tokenizer, scraping ----------------------
+
+def test_the_image_tag_is_the_package_version_in_one_place():
+    import kvevents
+
+    kust = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    assert kust["images"] == [{"name": "kvevents-aggregator", "newTag": kvevents.__version__}]
+    raw = yaml.safe_load((BASE / "deployment.yaml").read_text())["spec"]["template"]["spec"]
+    # The manifest itself names no tag: the version is written in the kustomization only.
+    assert {c["image"] for c in raw["containers"] + raw["initContainers"]} == {"kvevents-aggregator"}
+    for variant in ("base", "dns"):
+        pod = _pod(variant)["spec"]
+        for c in pod["containers"] + pod["initContainers"]:
+            assert c["image"] == f"kvevents-aggregator:{kvevents.__version__}", (variant, c["name"])
+    # The README's override and build commands use the same names.
+    readme = (K8S / "README.md").read_text()
+    assert "newName: REGISTRY/kvevents-aggregator" in readme
+    assert "docker build --target aggregator -t REGISTRY/kvevents-aggregator:$VERSION ." in readme
+
+
+def test_an_images_override_in_an_overlay_reaches_every_container(tmp_path):
+    """The README's overlay (images: newName/newTag over the base) renders with the
+    registry's image in the aggregator and its initContainer, by render() and, where
+    installed, by kubectl kustomize."""
+    (tmp_path / "kustomization.yaml").write_text(
+        f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {os.path.relpath(BASE, tmp_path)}\n"
+        f"images:\n  - name: kvevents-aggregator\n    newName: registry.example.com/kvevents-aggregator\n"
+        f"    newTag: 0.2.0-rc1\n")
+    objs = render(tmp_path)
+    (dep,) = [o for o in objs if o["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    assert {c["image"] for c in pod["containers"] + pod["initContainers"]} == {
+        "registry.example.com/kvevents-aggregator:0.2.0-rc1"}
+    kubectl = shutil.which("kubectl")
+    if kubectl:
+        r = subprocess.run([kubectl, "kustomize", str(tmp_path)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        theirs = {_id(d): d for d in yaml.safe_load_all(r.stdout) if d}
+        assert theirs == {_id(d): d for d in objs}
+
+
+def _engine_container() -> dict:
+    dep = _one("engines", "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize("variant", ["base", "dns"])
+def test_the_engines_serve_the_model_the_aggregator_discovers(variant):
+    """engines/vllm.yaml against the aggregator's discovery flags: the label the pod
+    watch selects, the served model name, and the ports of the events, the replay socket
+    and the OpenAI server."""
+    import json
+
+    dep, c = _one("engines", "Deployment"), _engine_container()
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    flags = _flags(_container(variant)["args"])
+    selector = _flags(_container("base")["args"])["--discover-k8s-selector"]
+    assert labels.items() >= dict([selector.split("=")]).items()
+    if variant == "dns":
+        (headless,) = [o for o in RENDERED["dns"] if _id(o) == ("v1", "Service", "vllm-headless")]
+        assert headless["spec"]["selector"].items() <= labels.items()
+
+    assert c["command"] == ["vllm", "serve"]
+    args = c["args"]
+    model, options = args[0], args[1:]
+    assert not model.startswith("--") and "/" in model  # the Hugging Face repository
+    opts = dict(a.split("=", 1) if "=" in a else (a, "") for a in options)
+    assert opts["--served-model-name"] == flags["--discover-model"]
+    # The tokenizer the aggregator fetches is this model's, under the served name.
+    (init,) = _pod(variant)["spec"]["initContainers"]
+    init_env = {e["name"]: e.get("value") for e in init["env"]}
+    assert init_env["HF_MODEL"] == model
+    name, _, path = flags["--tokenizer"].partition("=")
+    assert name == opts["--served-model-name"] and path == init_env["TOKENIZER_DIR"]
+
+    events = json.loads(opts["--kv-events-config"])
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    port = lambda ep: int(ep.rsplit(":", 1)[1])  # noqa: E731
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert port(events["endpoint"]) == ports["kv-events"] == int(flags["--discover-events-port"])
+    assert port(events["replay_endpoint"]) == ports["kv-replay"] == int(flags["--discover-replay-port"])
+    assert int(opts["--port"]) == ports["http"] == int(flags["--discover-http-port"])
+    assert "--enable-prefix-caching" in opts and "--enable-prompt-tokens-details" in opts
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+@pytest.mark.parametrize("variant", ["base", "dns"])
+def test_tokens_come_from_a_secret_and_reach_the_settings(variant, monkeypatch):
+    """--api-key and --auth-token as KVEVENTS_API_KEY / KVEVENTS_AUTH_TOKEN from the
+    Secret kvevents-tokens; the settings loader reads exactly those names."""
+    from kvevents.service.settings import load_settings
+
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in _container(variant)["env"]
+           if "secretKeyRef" in e.get("valueFrom", {})}
+    assert env == {"KVEVENTS_API_KEY": {"name": "kvevents-tokens", "key": "api-key"},
+                   "KVEVENTS_AUTH_TOKEN": {"name": "kvevents-tokens", "key": "auth-token"}}
+    for name in [n for n in os.environ if n.startswith("KVEVENTS_")]:
+        monkeypatch.delenv(name)
+    s = load_settings(env={"KVEVENTS_API_KEY": "k1", "KVEVENTS_AUTH_TOKEN": "t1"})
+    assert (s.api_key, s.auth_token) == ("k1", "t1")
+    readme = (K8S / "README.md").read_text()
+    assert "kubectl create secret generic kvevents-tokens" in readme
+    assert "--from-literal=api-key=" in readme and "--from-literal=auth-token=" in readme
+
+
+def test_the_tokenizer_init_container_fetches_a_loadable_tokenizer(tmp_path):
+    """The initContainer's script, run as the kubelet would run it, against a local HTTP
+    server laid out as the Hugging Face Hub (HF_ENDPOINT): the directory it writes is
+    one the aggregator's --tokenizer loads, and a missing required file fails it."""
+    import http.server
+    import sys
+    import threading
+
+    from text_tokenizer import build_bytelevel, require_transformers
+
+    require_transformers()
+    repo = tmp_path / "hub" / "org" / "model" / "resolve" / "main"
+    repo.mkdir(parents=True)
+    build_bytelevel(repo)
+
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path / "hub"))  # noqa: E731
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (init,) = _pod("base")["spec"]["initContainers"]
+        assert init["command"] == ["python", "-c"]
+        out = tmp_path / "tokenizers" / "m"
+        env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+               "HF_MODEL": "org/model", "TOKENIZER_DIR": str(out)}
+        r = subprocess.run([sys.executable, "-c", init["args"][0]], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert (out / "tokenizer.json").read_bytes() == (repo / "tokenizer.json").read_bytes()
+        from kvevents.text.tokenizer import TextTokenizer
+
+        assert TextTokenizer("m", out).encode_prompt("hello world")
+
+        (repo / "tokenizer_config.json").unlink()
+        r = subprocess.run([sys.executable, "-c", init["args"][0]],
+                           env={**env, "TOKENIZER_DIR": str(tmp_path / "again")},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "tokenizer_config.json" in r.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_pod_monitors_scrape_the_aggregator_and_the_engines():
+    monitors = {o["metadata"]["name"]: o for o in RENDERED["monitoring"] if o["kind"] == "PodMonitor"}
+    assert set(monitors) == {"kvevents-aggregator", "vllm"}
+    targets = {"kvevents-aggregator": (_pod("base"), _container("base")),
+               "vllm": (_one("engines", "Deployment")["spec"]["template"], _engine_container())}
+    for name, mon in monitors.items():
+        assert mon["apiVersion"] == "monitoring.coreos.com/v1"
+        pod, container = targets[name]
+        assert mon["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        (ep,) = mon["spec"]["podMetricsEndpoints"]
+        assert ep["path"] == "/metrics"
+        assert ep["port"] in {p["name"] for p in container["ports"]}, name
+    kinds = sorted(o["kind"] for o in RENDERED["monitoring"])
+    assert kinds == ["PodMonitor", "PodMonitor", "PrometheusRule"]

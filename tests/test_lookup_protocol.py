@@ -138,7 +138,7 @@ def test_what_is_not_common_is_the_apps_with_its_errors(server):
     conn = Conn(server)
     cases = [
         (lookup_body([1, -5]), 422, "token_ids[1]"),
-        (lookup_body(list(range(65))), 413, "token_ids"),  # over max_prompt_tokens
+        (lookup_body(list(range(65))), 400, "token_ids"),  # over max_prompt_tokens
         (b'{"token_ids": [1], "modle": "x"}', 422, "modle"),
         (b"{not json", 422, None),
         (b"", 422, None),

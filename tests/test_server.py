@@ -155,7 +155,7 @@ def test_bad_input_gets_4xx_naming_the_field_and_changes_nothing(fleet):
     err(httpx.post(f"{url}/v1/lookup", json={"tokens": [1]}), 422, "tokens")
     err(httpx.post(f"{url}/v1/lookup", json={"token_ids": [1], "modle": "x"}), 422, "modle")
     err(httpx.post(f"{url}/v1/lookup", content=b"{not json", headers={"content-type": "application/json"}), 422, None)
-    err(httpx.post(f"{url}/v1/lookup", json={"token_ids": [1] * 6000}), 413, "token_ids")
+    err(httpx.post(f"{url}/v1/lookup", json={"token_ids": [1] * 6000}), 400, "token_ids")
     err(httpx.post(f"{url}/v1/lookup", content=b"[" + b"1," * 40000 + b"1]",
                    headers={"content-type": "application/json"}), 413, None)
     err(httpx.get(f"{url}/v1/prefixes", params={"limit": 0}), 422, "limit")
@@ -378,3 +378,38 @@ def test_hot_handlers_skip_fastapi_dependency_solving_but_not_guards():
     serve_lean(guarded, HOT_PATHS)
     route = next(r for r in guarded.router.routes if isinstance(r, APIRoute))
     assert route.app is handler and handler.__module__ == "fastapi.routing"  # guard runs
+
+
+def test_lookup_route_and_inspection_under_an_identity(fleet):
+    """Adapter and tenant (cache_salt) blocks as vLLM publishes them (LoRA name on every
+    block's extra key, the salt on the first block's): matched only under the same
+    identity over HTTP; a salted prefix is never shown by /v1/prefixes or /v1/blocks;
+    the salt is in no error and no metric."""
+    srv, a, b = fleet
+    url = srv.url
+    time.sleep(0.5)
+    salt = "tenant-secret-7"
+    a.send(BlockStored([61, 62], None, blocks(P, 0, 2), BS, 1, "GPU", "sql", [["sql"], ["sql"]]))
+    a.send(BlockStored([71, 72, 73], None, blocks(P, 0, 3), BS, None, "GPU", None, [[salt], None, None]))
+    b.send(BlockStored([h(True, 81)], None, blocks(P, 0, 1), BS, None, "GPU", None))
+    assert wait_until(lambda: lookup(srv, P, cache_salt=salt)["engines"] != [], 10)
+    assert lookup(srv, P, cache_salt=salt)["engines"] == [
+        {"engine": "a", "matched_tokens": 12, "tiers": {"GPU": 12}}]
+    assert lookup(srv, P, lora_name="sql")["engines"] == [
+        {"engine": "a", "matched_tokens": 8, "tiers": {"GPU": 8}}]
+    assert lookup(srv, P, lora_name="sql", model="m", cache_salt=salt)["engines"] == []
+    assert lookup(srv, P, cache_salt="another")["engines"] == []
+    assert [e["engine"] for e in lookup(srv, P)["engines"]] == ["b"]
+    r = httpx.post(f"{url}/v1/route", json={"token_ids": P, "cache_salt": salt})
+    assert r.status_code == 200 and r.json()["engine"] == "a" and r.json()["matched_tokens"] == 12
+    r = httpx.post(f"{url}/v1/route", json={"token_ids": P, "lora_name": "sql"})
+    assert r.json()["engine"] == "a" and r.json()["matched_tokens"] == 8
+    # Never shown without the salt (nor with it: inspection is the operator's, not a tenant's).
+    for hh in (71, 72, 73):
+        assert httpx.get(f"{url}/v1/blocks/{hh}").status_code == 404
+    assert httpx.get(f"{url}/v1/blocks/61").json()["lora_name"] == "sql"
+    top = httpx.get(f"{url}/v1/prefixes", params={"limit": 50}).json()["prefixes"]
+    assert top and all(p["lora_name"] == "sql" or p["engines"] == ["b"] for p in top), top
+    bad = httpx.post(f"{url}/v1/lookup", json={"token_ids": P, "cache_salt": 7})
+    assert bad.status_code == 422 and bad.json()["field"] == "cache_salt"
+    assert salt not in httpx.get(f"{url}/metrics").text

@@ -78,6 +78,30 @@ def test_sglang_publisher_is_indexed_exactly(setup):
         agg.index.engine_hashes("sg").values())
 
 
+def test_salted_and_adapter_pages_keep_their_identity(setup):
+    """SGLang's own recorder names the salt on every page of a salted sequence and the
+    adapter as ``lora_name``: matched only under that identity, never shown without it,
+    and the batch's ``attn_dp_rank`` is read."""
+    pub, agg = setup
+    salted = [page(-11, None, 0, cache_salt="tenant-a"), page(-12, -11, PAGE, cache_salt="tenant-a")]
+    adapter = [page(-21, None, 0, lora_name="sql"), page(-22, -21, PAGE, lora_name="sql"),
+               page(-23, -22, 2 * PAGE, lora_name="sql")]
+    both = [page(-31, None, 0, lora_name="sql", cache_salt="tenant-a")]
+    pub.publish(sgl.KVEventBatch(ts=time.time(), events=salted + adapter + both))
+    assert wait_until(lambda: agg.engine_statuses()[0]["batches"] == 1, 10), agg.engine_statuses()
+    ids = list(range(0, 3 * PAGE))
+    got = lambda **kw: [(m.engine, m.tokens) for m in agg.lookup(ids, **kw).engines]  # noqa: E731
+    assert got() == []
+    assert got(cache_salt="tenant-a") == [("sg", 2 * PAGE)]
+    assert got(cache_salt="tenant-b") == []
+    assert got(lora_name="sql") == [("sg", 3 * PAGE)]
+    assert got(lora_name="sql", cache_salt="tenant-a") == [("sg", PAGE)]
+    shown = agg.index.top_prefixes(limit=50)
+    assert shown and all(p.lora_name == "sql" for p in shown)
+    assert agg.index.blocks_by_engine_hash(-11).holders == []
+    assert agg.index.blocks_by_engine_hash(-21).holders != []
+
+
 def test_bigram_pages_decode_without_losing_the_batch(setup):
     pub, agg = setup
     from kvevents.wire.schema import BatchDecoder, tokens_are_pairs

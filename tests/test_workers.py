@@ -230,14 +230,16 @@ def test_bound_endpoints_are_refused_with_several_workers(tmp_path):
 
 
 def test_workers_from_the_environment_and_the_config_file(tmp_path):
+    from kvevents.service.cpus import usable_cpus
     from kvevents.service.settings import SettingsError, load_settings
 
-    assert load_settings(env={"KVEVENTS_WORKERS": "auto"}).workers == len(os.sched_getaffinity(0))
+    # (auto: tests/test_cpus.py)
+    assert load_settings(env={"KVEVENTS_WORKERS": "auto"}).workers == usable_cpus()
     assert load_settings(env={"KVEVENTS_WORKERS": "3"}).workers == 3
     cfg = tmp_path / "c.toml"
     cfg.write_text("workers = 2\n")
     assert load_settings(str(cfg), env={}).workers == 2
-    assert load_settings(str(cfg), env={}, workers="auto").workers == len(os.sched_getaffinity(0))
+    assert load_settings(str(cfg), env={}, workers="auto").workers == usable_cpus()
     with pytest.raises(SettingsError) as err:
         load_settings(env={"KVEVENTS_WORKERS": "0"})
     assert "environment variable KVEVENTS_WORKERS" in str(err.value)

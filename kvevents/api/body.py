@@ -44,6 +44,9 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
                     "`prompt` and `messages`.")] | None = None
     lora_name: Annotated[str, msgspec.Meta(
         description="LoRA adapter the prompt runs under.")] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(
+        description="The request's `cache_salt` (vLLM, SGLang): only blocks stored under "
+                    "the same salt match; an empty salt is none.")] | None = None
     # What else changes a chat's ids, as in an OpenAI chat request to vLLM (and, for
     # add_special_tokens, a completions one): the same names, the same defaults.
     tools: Annotated[list[Tool], msgspec.Meta(
@@ -64,6 +67,10 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
     add_special_tokens: Annotated[bool, msgspec.Meta(
         description="Add the tokenizer's special tokens (BOS...) around the text: default true "
                     "for `prompt`, false for `messages`.")] | None = None
+    tool_choice: Annotated[str | dict[str, Any], msgspec.Meta(
+        description="`messages`: the request's `tool_choice`; `none` drops the tools for a "
+                    "tokenizer set up as an engine started with "
+                    "`--exclude-tools-when-tool-choice-none`.")] | None = None
 
     def chat_options(self) -> ChatOptions | None:
         """The fields besides ``messages`` that change a text's ids (None: none given, or

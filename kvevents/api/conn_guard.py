@@ -18,11 +18,21 @@ as long as the client kept its socket. Here:
   longest for a request head (a trickling head, or an idle kept-alive one) is closed to
   make room; when every connection has a request in progress, the new one is answered
   503 and closed. Well-behaved clients, whose heads arrive at once, are never the ones
-  closed while a slow one is open.
+  closed while a slow one is open;
+* **early answers** (a 413 for a body over the limit, or any answer that closes the
+  connection while the request's body is still arriving): the connection is not closed
+  under the client's upload, which would make the kernel reset it and the client lose the
+  answer (most clients send the whole body before reading: httpx, the ``openai`` SDK).
+  It closes as nginx's lingering close does: once the answer is written, the write side
+  is shut (FIN after the answer), and what the client still sends is read and discarded,
+  never parsed or kept, until it closes its side, or ``linger_bytes`` (bounded further by
+  the request's declared ``Content-Length``) have been discarded, or ``linger_s`` have
+  passed; then the connection is closed (:meth:`close_after_answer`). A lingering
+  connection counts as an idle one for making room.
 
-Every close is counted (``kvevents_gateway_connections_closed_total{reason}``). Cost on
-the common path: a request that arrives in one packet arms no timer at all; one that
-spans packets arms one timer.
+Every close is counted (``kvevents_gateway_connections_closed_total{reason}``; a lingering
+close as ``early_answer``). Cost on the common path: a request that arrives in one packet
+arms no timer at all; one that spans packets arms one timer.
 
 It also offers each request's connection to the gateway's streamed answers
 (``scope["extensions"]["kvevents.direct"]``, :mod:`kvevents.gateway.relay`): their body
@@ -33,7 +43,8 @@ Lifecycle: one instance per connection, made by uvicorn; :func:`guarded_class` m
 class for one app and its limits. It relies on ``HttpToolsProtocol``'s ``connection_made``,
 ``data_received``, ``on_headers_complete``, ``on_message_complete``,
 ``on_response_complete``, ``connection_lost`` and its ``loop``, ``transport``,
-``connections``, ``pipeline`` and ``flow`` attributes (checked by :func:`guarded_class`).
+``connections``, ``pipeline``, ``flow``, ``headers`` and ``server_state`` attributes and its
+cycle's ``transport`` (checked by :func:`guarded_class`).
 """
 
 from __future__ import annotations
@@ -66,6 +77,10 @@ class ConnLimits:
     max_connections: int = 4096
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    #: A lingering close (see the module docstring) ends after this many seconds ...
+    linger_s: float = 5.0
+    #: ... or this many bytes discarded (or the request's declared length, if less).
+    linger_bytes: int = 64 << 20
 
     @classmethod
     def from_settings(cls, settings) -> "ConnLimits":
@@ -82,11 +97,22 @@ _TIMEOUT = _answer(b"408 Request Timeout", b"the request head did not arrive in 
 _BUSY = _answer(b"503 Service Unavailable", b"too many connections; retry shortly")
 
 
+def _cycle_init_names() -> tuple[str, ...]:
+    """The parameters of uvicorn's request cycle (it must take the ``transport`` it
+    writes to and closes, which :class:`_CycleTransport` stands in for)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+        return RequestResponseCycle.__init__.__code__.co_varnames
+    except (ImportError, AttributeError):  # pragma: no cover - another uvicorn
+        return ()
+
+
 def guarded_class(app, limits: ConnLimits, base: type | None = None) -> type | None:
     """The protocol class for ``app`` with ``limits`` (``base``: a subclass of
     :class:`GuardedHttpProtocol` to specialise), or None when the installed uvicorn
     lacks what it relies on (uvicorn's own protocol then runs, without these limits)."""
-    if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED):
+    if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED) \
+            or "transport" not in _cycle_init_names():
         log.warning("uvicorn's httptools protocol is not the expected one: no header/body "
                     "timeouts or connection cap")
         return None
@@ -107,6 +133,8 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
     _body_seen = 0.0  # loop time of the last bytes while _in_body
     #: Called when the client's socket drained after being full (set by a direct relay).
     on_writable: Callable[[], None] | None = None
+    #: Bytes still to discard in a lingering close (None: not lingering).
+    _linger_left: int | None = None
 
     # -- uvicorn's protocol ------------------------------------------------------------
 
@@ -119,6 +147,11 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         self._timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_left is not None:  # an answer went early: discard, never parse
+            self._linger_left -= len(data)
+            if self._linger_left <= 0:
+                self._linger_end()
+            return
         super().data_received(data)
         # Timers only for a request that spans packets: none for one that came whole.
         if self._timer is None and not self.transport.is_closing():
@@ -138,6 +171,9 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
             # Weak: the scope lives in the cycle and the protocol, and a cycle of strong
             # references would keep every connection's objects until a full collection.
             self.scope.setdefault("extensions", {})[DIRECT] = (weakref.ref(self), weakref.ref(cycle))
+            # The cycle closes the connection through this: an answer that goes before
+            # its body (the 413) closes lingering.
+            cycle.transport = _CycleTransport(self)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -149,6 +185,9 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        if self._linger_left is not None:  # closing: no keep-alive timer, no next request
+            self.server_state.total_requests += 1  # (uvicorn's count, as its own does)
+            return
         pipelined = bool(self.pipeline)
         super().on_response_complete()
         if not pipelined and not self.transport.is_closing():
@@ -161,6 +200,42 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         super().connection_lost(exc)
 
     # -- the guard's own ---------------------------------------------------------------------
+
+    def close_after_answer(self) -> None:
+        """Close the connection after the answer written so far: at once if the
+        request's body was read whole (or there is no request), else lingering (see the
+        module docstring)."""
+        transport = self.transport
+        if self._linger_left is not None or transport.is_closing():
+            return
+        if not self._in_body:
+            transport.close()
+            return
+        self._disarm()
+        self._in_body = False
+        self._head_since = self.loop.time()  # evictable, as an idle connection is
+        declared = None
+        for name, value in self.headers:
+            if name == b"content-length" and value.isdigit():
+                declared = int(value)
+        self._linger_left = min(self.limits.linger_bytes, declared or self.limits.linger_bytes)
+        if self.cycle is not None and hasattr(self.cycle, "body"):
+            self.cycle.body = bytearray()  # what uvicorn's cycle held of it: never read now
+        try:
+            transport.write_eof()  # FIN once the answer has gone
+        except (NotImplementedError, RuntimeError, OSError):  # TLS, or already shut
+            pass
+        self.flow.resume_reading()  # (paused while a cycle's body waited to be read)
+        self._timer = self.loop.call_later(self.limits.linger_s, self._linger_end)
+        gateway = getattr(getattr(self.guard_app, "state", None), "gateway", None)
+        if gateway is not None:
+            gateway.metrics.connections_closed.labels("early_answer").inc()
+
+    def _linger_end(self) -> None:
+        """The lingering close's bound is reached (or the client stopped sending)."""
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def _head_done(self) -> None:
         """A request's head is in: its body (if any) follows."""
@@ -216,3 +291,28 @@ class GuardedHttpProtocol(HttpToolsProtocol or object):  # type: ignore[misc]
         gateway = getattr(getattr(self.guard_app, "state", None), "gateway", None)
         if gateway is not None:
             gateway.metrics.connections_closed.labels(reason).inc()
+
+
+class _CycleTransport:
+    """The transport as uvicorn's request cycle sees it: its ``close`` is the
+    protocol's :meth:`~GuardedHttpProtocol.close_after_answer` (so an answer sent before
+    the request's body closes lingering); the rest is the transport's. The protocol is
+    held weakly (it holds the cycle)."""
+
+    __slots__ = ("_protocol", "_transport", "write", "is_closing")
+
+    def __init__(self, protocol: GuardedHttpProtocol) -> None:
+        self._protocol = weakref.ref(protocol)
+        transport = self._transport = protocol.transport
+        self.write = transport.write  # bound once: the cycle's writes cost no extra call
+        self.is_closing = transport.is_closing
+
+    def close(self) -> None:
+        protocol = self._protocol()
+        if protocol is None or protocol.transport is not self._transport:
+            self._transport.close()
+        else:
+            protocol.close_after_answer()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)

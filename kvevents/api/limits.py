@@ -3,8 +3,10 @@
 A declared ``Content-Length`` over the limit is answered 413 at once; a chunked body is
 counted as it streams and cut off with 413 when it passes the limit. The answer has the
 API's error shape, or OpenAI's on the OpenAI endpoints (``openai_paths``), and closes the
-connection (``connection: close``): the rest of the body is not read, and a kept
-connection would have had to read and discard it all before its next request.
+connection (``connection: close``): the rest of the body is not kept, and a kept
+connection would have had to read and discard it all before its next request. Under
+``kvevents serve`` the close lingers (:mod:`kvevents.api.conn_guard`): the client,
+still uploading, reads the 413 instead of a reset connection.
 """
 
 from __future__ import annotations

@@ -71,6 +71,10 @@ class EngineCreate(_Strict):
     topic: str = ""
     http: str | None = Field(None, description="Its OpenAI server, http://HOST:PORT: the "
                                                "gateway routes OpenAI requests to it.")
+    dp_rank: int | None = Field(None, ge=0, lt=1024, description="The engine is this rank of a "
+                                "data-parallel server (its endpoint that rank's): the gateway "
+                                "sends it X-data-parallel-rank, and batches of another rank are "
+                                "counted. Post one engine per rank.")
 
 
 class TokenParityView(BaseModel):
@@ -108,6 +112,7 @@ class EngineOut(BaseModel):
     replay_endpoint: str | None
     model: str | None
     http: str | None = None
+    dp_rank: int | None = Field(None, description="Its rank of a data-parallel server (dp=).")
     gateway: GatewayView | None = Field(None, description="Present for engines with an OpenAI "
                                                           "server (http).")
     status: Literal["live", "stale", "down", "replaying"]
@@ -204,15 +209,17 @@ ERRORS = {
     401: {"model": ErrorResponse, "description": "Missing or wrong bearer token"},
     404: {"model": ErrorResponse, "description": "Unknown engine or block"},
     409: {"model": ErrorResponse, "description": "Name already taken"},
-    413: {"model": ErrorResponse, "description": "Body or prompt too large"},
+    413: {"model": ErrorResponse, "description": "Body larger than max_body_bytes"},
     422: {"model": ErrorResponse, "description": "Invalid field (named in `field`)"},
 }
 
-#: The errors of the endpoints that tokenize prompt text: also a 400 for text longer
-#: than ``max_prompt_chars``, refused before it is tokenized.
+#: The errors of the endpoints that tokenize prompt text: the 400 also for text with
+#: more characters than are worth tokenizing, refused before it is tokenized.
 PROMPT_ERRORS = {
     **ERRORS,
-    400: {"model": ErrorResponse, "description": "Prompt text or messages longer than "
-                                                 "max_prompt_chars characters (`field`: prompt "
-                                                 "or messages), refused before tokenizing"},
+    400: {"model": ErrorResponse, "description": "Prompt over max_prompt_tokens tokens, or "
+                                                 "text with more characters than max_prompt_chars "
+                                                 "or than max_prompt_tokens tokens of the model's "
+                                                 "tokenizer can hold, refused before tokenizing "
+                                                 "(`field`: token_ids, prompt or messages)"},
 }

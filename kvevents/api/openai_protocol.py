@@ -286,8 +286,8 @@ class Exchange:
         protocol = self.protocol
         if protocol._ex is self:
             protocol._ex = None
-        if not self.keep_alive and not protocol.transport.is_closing():
-            protocol.transport.close()
+        if not self.keep_alive:
+            protocol.close_after_answer()  # lingering if the body is still arriving
         protocol.on_response_complete()
 
     # -- the handler -------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ async def lookup(request: Request) -> Response:
         max_chars=agg.settings.max_prompt_chars,
         model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages,
         options=body.chat_options())
-    result = await lookup_off_loop(agg, token_ids, body.model, body.lora_name, "lookup")
+    result = await lookup_off_loop(agg, token_ids, body.model, body.lora_name, "lookup",
+                                   body.cache_salt)
     return json_response(lookup_payload(result, agg.unroutable_engines()))
 
 

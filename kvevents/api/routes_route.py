@@ -36,7 +36,7 @@ async def route(request: Request) -> Response:
         model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages,
         options=body.chat_options())
     decision = await routing.decide(token_ids, body.model, body.lora_name,
-                                    requested_candidates(body))
+                                    requested_candidates(body), cache_salt=body.cache_salt)
     return json_response({
         "engine": decision.engine, "pod": decision.engine,  # "pod": 0.1.0's name, until 0.3.0
         "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,

@@ -89,14 +89,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", action="append", default=None,
                    metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
                    help="a publisher to follow (repeatable); options: replay=, model=, topic=, "
-                        "bind=1, http= (its OpenAI server: the gateway routes to it) (default: "
-                        "none; more can be added with POST /v1/engines)")
+                        "bind=1, http= (its OpenAI server: the gateway routes to it), dp=N (a "
+                        "data-parallel server: N engines NAME-dp0..., rank r on the ports + r) "
+                        "(default: none; more can be added with POST /v1/engines)")
     p.add_argument("--host", default=None,
                    help="listen address (default: {default})")
     p.add_argument("--port", type=int, default=None, help="listen port (default: {default})")
     p.add_argument("--workers", default=None, metavar="N|auto",
                    help="processes serving the port, each a full aggregator following every "
-                        "engine; auto: one per core this process may use (env "
+                        "engine; auto: the cores this process may use, the fewer of its CPU "
+                        "affinity and its cgroup's CPU quota (a container's CPU limit) rounded "
+                        "up (env "
                         "KVEVENTS_WORKERS; default: {default})")
     p.add_argument("--auth-token", default=None,
                    help="bearer token required on POST/DELETE /v1/engines (default: none, open)")

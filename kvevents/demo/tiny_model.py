@@ -91,6 +91,33 @@ def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)  # never leave a truncated weights file under the final name
 
 
+def make_tiny_lora(path: str | Path, model: str | Path, seed: int, rank: int = 8) -> Path:
+    """A LoRA adapter of the model in ``model`` (made by :func:`make_tiny_model`), in
+    PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``): ``rank`` on
+    ``q_proj`` / ``v_proj``, random weights normal(0, 0.02), bf16. For ``vllm serve
+    --enable-lora --lora-modules NAME=PATH``. Deterministic for a seed; an existing
+    adapter in ``path`` is left alone."""
+    path, model = Path(path), Path(model)
+    if (path / "adapter_config.json").is_file():
+        return path
+    cfg = json.loads((model / "config.json").read_text())
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, dim in (("q_proj", hidden), ("v_proj", hidden // heads * kv)):
+            pre = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{pre}.lora_A.weight"] = rng.normal(0.0, INIT_STD, (rank, hidden)).astype(np.float32)
+            tensors[f"{pre}.lora_B.weight"] = rng.normal(0.0, INIT_STD, (dim, rank)).astype(np.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_safetensors(path / "adapter_model.safetensors", tensors)
+    (path / "adapter_config.json").write_text(json.dumps({  # written last: the adapter is whole
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": str(model)}))
+    return path
+
+
 def make_tiny_model(path: str | Path, seed: int = 0, tokenizer: bool = False, size: str = "tiny") -> Path:
     """The model in ``path`` (made if missing); ``tokenizer``: with its tokenizer too;
     ``size``: a key of :data:`SIZES` (an existing model in ``path`` is kept whatever its size)."""

@@ -6,6 +6,10 @@ and replay ports plus ``r`` (vLLM's convention), and serves one OpenAI API. This
 turns one server into its :class:`~kvevents.engines.EngineSpec` list, the one place
 discovered engines get their names and endpoints.
 
+Each rank of a server with more than one knows its rank (``EngineSpec.dp_rank``): the
+gateway sends its requests with ``X-data-parallel-rank``, and its batches' ranks are
+checked against it.
+
 Names: the source's ``base`` (``vllm-10.0.0.7`` for DNS, the pod's name for
 Kubernetes), plus ``-dp{r}`` when the server has more than one rank. A name that does
 not fit :data:`~kvevents.engines.ENGINE_NAME_PATTERN` raises ``ValueError`` (the
@@ -78,5 +82,6 @@ def engine_specs(base: str, address: str, ports: PortPlan, model: str | None = N
             replay_endpoint=None if ports.replay is None else f"tcp://{host}:{ports.replay + rank}",
             model=model,
             http=None if ports.http is None else f"http://{host}:{ports.http}",
+            dp_rank=None if ports.dp_size == 1 else rank,
         ))
     return out

@@ -128,6 +128,12 @@ class EngineRegistry:
         state = self._engines.get(name)
         return (state is not None, state.spec.model if state else None)
 
+    def dp_rank_of(self, name: str) -> int | None:
+        """The data-parallel rank ``name`` is of its server (None: not a rank, or not
+        followed), for the ingest thread."""
+        state = self._engines.get(name)
+        return state.spec.dp_rank if state else None
+
     def names(self) -> list[str]:
         with self._lock:
             return list(self._engines)
@@ -218,6 +224,7 @@ class EngineRegistry:
             "replay_endpoint": spec.replay_endpoint,
             "model": spec.model,
             "http": spec.http,
+            "dp_rank": spec.dp_rank,
             "status": "replaying" if st.replaying else self.status(st, now),
             "replay_gap": ({"from_seq": st.replay_from, "held_from_seq": st.replay_until,
                             "held_bytes": st.pending_bytes} if st.replaying else None),

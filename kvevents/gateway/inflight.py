@@ -56,10 +56,12 @@ class InflightPrompts:
     def _head(ids: np.ndarray) -> bytes:
         return ids[:HEAD].tobytes()
 
-    def add(self, engine: str, ids: np.ndarray) -> tuple[str, bytes, int]:
-        """Record ``ids`` in flight on ``engine``; returns the handle for :meth:`remove`."""
+    def add(self, engine: str, ids: np.ndarray, identity: bytes = b"") -> tuple[str, bytes, int]:
+        """Record ``ids`` in flight on ``engine`` under the prompt's cache ``identity``
+        (adapter and salt, digested: prompts of other identities share no block with it);
+        returns the handle for :meth:`remove`."""
         self._next += 1
-        head = self._head(ids)
+        head = self._head(ids) + identity
         self._by_engine.setdefault(engine, {}).setdefault(head, {})[self._next] = ids
         return engine, head, self._next
 
@@ -75,10 +77,11 @@ class InflightPrompts:
             if not buckets:
                 del self._by_engine[engine]
 
-    def matches(self, ids: np.ndarray, engines: Iterable[str]) -> dict[str, int]:
+    def matches(self, ids: np.ndarray, engines: Iterable[str], identity: bytes = b"") -> dict[str, int]:
         """Per engine of ``engines`` with something in flight that shares ``ids``' head:
-        the longest prefix of ``ids`` some in-flight prompt there starts with."""
-        head = self._head(ids)
+        the longest prefix of ``ids`` some in-flight prompt of the same ``identity`` there
+        starts with."""
+        head = self._head(ids) + identity
         out: dict[str, int] = {}
         for engine in engines:
             bucket = self._by_engine.get(engine, {}).get(head)

@@ -72,15 +72,20 @@ _GAUGES = {b"vllm:num_requests_waiting": "waiting", b"vllm:num_requests_running"
            b"vllm:kv_cache_usage_perc": "kv_usage"}
 
 
-def parse_engine_metrics(text: bytes) -> dict[str, float]:
+def parse_engine_metrics(text: bytes, rank: int | None = None) -> dict[str, float]:
     """The three vLLM gauges from a Prometheus text page, each summed over its label
     sets (a data-parallel engine reports one set per rank; ``kv_usage`` is averaged).
-    Missing gauges are absent; unparsable lines are skipped."""
+    ``rank``: only that data-parallel rank's sets (vLLM labels them ``engine="R"``; sets
+    without the label count for every rank). Missing gauges are absent; unparsable
+    lines are skipped."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
+    mine = None if rank is None else (b'{engine="%d"' % rank, b',engine="%d"' % rank)
     for line in text.splitlines():
         if not line.startswith(b"vllm:"):
             continue
+        if mine is not None and b'engine="' in line and mine[0] not in line and mine[1] not in line:
+            continue  # another rank's
         name, _, rest = line.partition(b"{") if b"{" in line.split(b" ", 1)[0] else line.partition(b" ")
         key = _GAUGES.get(name.strip())
         if key is None:
@@ -120,6 +125,7 @@ class TargetLoad:
     reported_cached: int = 0
     usage_reports: int = 0
     sent: float = 0.0  # this gateway's requests sent here, decayed per request (see shares)
+    dp_rank: int | None = None  # the engine is this rank of a data-parallel server (see poll)
 
 
 class EngineLoads:
@@ -211,8 +217,16 @@ class EngineLoads:
         return EngineLoad(waiting=t.others + t.prefill_tokens / self.prefill_unit,
                           running=float(t.inflight), kv_usage=min(1.0, max(0.0, t.kv_usage)))
 
+    def set_ranks(self, specs) -> None:
+        """Learn which targets (engine specs) are ranks of a data-parallel server: their
+        ranks share one ``/metrics``, and each reads its own rank's gauges there."""
+        for s in specs:
+            if s.http and (s.dp_rank is not None or s.name in self.targets):
+                self.of(s.name).dp_rank = s.dp_rank
+
     async def poll(self, client: httpx.AsyncClient, engine: str, url: str, timeout: float) -> bool:
-        """One poll of ``url`` (the engine's ``/metrics``); True when it answered."""
+        """One poll of ``url`` (the engine's ``/metrics``; a data-parallel rank's: its
+        own rank's gauges there); True when it answered."""
         t = self.of(engine)
         # Ours that the engine counts: those in flight now less those sent too recently
         # to show in its gauges (the rest would be taken for others' and then missed).
@@ -223,7 +237,7 @@ class EngineLoads:
             if t.filtered is not False and url.endswith("/metrics"):
                 resp = await client.get(url + FILTERED, timeout=timeout)
                 if resp.status_code == 200:
-                    gauges = parse_engine_metrics(resp.content)
+                    gauges = parse_engine_metrics(resp.content, t.dp_rank)
                 if gauges is None or ("waiting" not in gauges and "running" not in gauges):
                     gauges = None
                     if resp.status_code < 500:  # no such page, or it ignores the names
@@ -237,7 +251,7 @@ class EngineLoads:
             if gauges is None:
                 resp = await client.get(url, timeout=timeout)
                 resp.raise_for_status()
-                gauges = parse_engine_metrics(resp.content)
+                gauges = parse_engine_metrics(resp.content, t.dp_rank)
         except (httpx.HTTPError, OSError) as exc:
             t.poll_failures += 1
             t.failed_in_row += 1

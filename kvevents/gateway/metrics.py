@@ -14,11 +14,16 @@ kvevents_gateway_reported_cached_tokens_total  what the engine reported
                                                for the same requests {engine, model_name}
 kvevents_gateway_usage_reports_total           requests whose answer carried cached_tokens
 kvevents_gateway_untokenized_total             prompts routed by load alone (no ids)
+kvevents_gateway_partial_prompts_total         prompts routed by less than their whole cache
+                                               identity {reason: image, audio, video (by
+                                               the text before the first media part),
+                                               prompt_embeds (by load alone)}
 kvevents_gateway_token_parity_checks_total     the gateway's ids against the engine's
                                                /tokenize {engine, model_name, result, reason}
 kvevents_gateway_connections_closed_total      HTTP connections the server closed on a
                                                hostile client {reason: header_timeout,
-                                               body_timeout, evicted, over_capacity}
+                                               body_timeout, evicted, over_capacity,
+                                               early_answer (a lingering close)}
 =============================================  =============================================
 
 Labels as on every per-engine series: ``engine`` (the followed engine's name, "" when
@@ -36,6 +41,8 @@ signal per engine.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvevents.gateway.media import REASONS
 
 from kvevents.service.metrics.labels import UNKNOWN, ModelLabels
 
@@ -71,12 +78,20 @@ class GatewayMetrics:
                                      "reported cached tokens", ["engine", "model_name"], registry=registry)
         self.connections_closed = Counter(
             "kvevents_gateway_connections_closed_total", "HTTP connections closed by the server: "
-            "a request head or body too slow, or too many connections", ["reason"], registry=registry)
-        for reason in ("header_timeout", "body_timeout", "evicted", "over_capacity"):
+            "a request head or body too slow, too many connections, or an answer sent before "
+            "the body (closed lingering)", ["reason"], registry=registry)
+        for reason in ("header_timeout", "body_timeout", "evicted", "over_capacity", "early_answer"):
             self.connections_closed.labels(reason)
         self._children: dict[tuple, object] = {}  # see of()
         self.untokenized = Counter("kvevents_gateway_untokenized_total", "Prompts routed by load "
                                    "alone: no token ids", registry=registry)
+        self.partial = Counter(
+            "kvevents_gateway_partial_prompts_total", "Prompts routed by less than their whole "
+            "cache identity: image, audio, video (a chat with media: by the ids of its text "
+            "before the first media part), prompt_embeds (a completion of prompt embeddings: "
+            "no ids, by load alone)", ["reason"], registry=registry)
+        for reason in REASONS:
+            self.partial.labels(reason)
         self.parity = Counter("kvevents_gateway_token_parity_checks_total", "The gateway's ids for a "
                               "request compared with the engine's /tokenize ids for it (result: match, "
                               "mismatch; reason of a mismatch: special_tokens, tools, content_format, "
@@ -100,6 +115,14 @@ class GatewayMetrics:
                 self._children.clear()
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def unscored(self, partial: str | None) -> None:
+        """A prompt routed without its whole identity: ``partial`` its reason (see
+        :mod:`kvevents.gateway.media`), None when it simply has no ids (untokenized)."""
+        if partial is not None:
+            self.of(self.partial, partial).inc()
+        else:
+            self.untokenized.inc()
 
     def refused(self, model: str | None, status: int) -> None:
         """A request answered by the gateway itself, before any engine was chosen."""

@@ -25,6 +25,7 @@ import msgspec
 from starlette.concurrency import run_in_threadpool
 
 from kvevents.gateway.errors import OpenAIError
+from kvevents.gateway.media import PROMPT_EMBEDS, before_media, check_embeds, first_media, text_before
 from kvevents.gateway.parity import TokenParity
 from kvevents.text import ChatTemplateError, TextTokenizer, TokenizerRegistry
 from kvevents.text.chat import ChatMessage
@@ -55,6 +56,13 @@ class OpenAIRequest:
     options: ChatOptions | None = None
     options_json: bytes = b""
     add_special_tokens: bool = True  # completions: the BOS... of a text prompt
+    # The tenant's salt (vLLM keys the prompt's first block with it): part of the
+    # prompt's cache identity. Never logged, never a label.
+    cache_salt: str | None = None
+    # Why the prompt is routed by less than its whole identity (:mod:`.media`): a chat's
+    # first media part ("image", "audio", "video": routed by the text before it), or
+    # "prompt_embeds" (a completion without a prompt: no ids, by load alone); None: whole.
+    partial: str | None = None
 
     def plain_messages(self) -> list[dict[str, Any]] | None:
         """The chat messages as decoded JSON, as the body wrote them."""
@@ -69,7 +77,9 @@ class _Body(msgspec.Struct):
 
     model: str | None = None
     stream: bool | None = None
+    cache_salt: str | None = None
     prompt: msgspec.Raw = msgspec.Raw()  # empty: absent
+    prompt_embeds: msgspec.Raw = msgspec.Raw()  # (vLLM's --enable-prompt-embeds)
     messages: msgspec.Raw = msgspec.Raw()
     add_special_tokens: bool | None = None
     # chat: what else changes the rendered prompt (vLLM's names); raw until present
@@ -80,6 +90,7 @@ class _Body(msgspec.Struct):
     add_generation_prompt: msgspec.Raw = msgspec.Raw()
     continue_final_message: msgspec.Raw = msgspec.Raw()
     reasoning_effort: msgspec.Raw = msgspec.Raw()
+    tool_choice: msgspec.Raw = msgspec.Raw()  # (read only beside tools: alone it changes nothing)
 
 
 # ChatOptions' fields read raw above (add_special_tokens, a completions field too, typed)
@@ -113,10 +124,11 @@ def _parse(kind: str, body: bytes) -> OpenAIRequest:
         doc = _body.decode(body)
     except msgspec.ValidationError as exc:
         field = str(exc).rpartition("$.")[2].rstrip("`") or None
-        raise OpenAIError(400, f"invalid request: {exc}", field if field in ("model", "stream") else None) from None
+        raise OpenAIError(400, f"invalid request: {exc}",
+                          field if field in ("model", "stream", "cache_salt") else None) from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"request body is not a JSON object: {exc}") from None
-    req = OpenAIRequest(kind, body, doc.model, bool(doc.stream))
+    req = OpenAIRequest(kind, body, doc.model, bool(doc.stream), cache_salt=doc.cache_salt or None)
     if kind == CHAT:
         raw = doc.messages
         # Straight into ChatMessage structs (what the chat template renders), one pass in
@@ -135,6 +147,11 @@ def _parse(kind: str, body: bytes) -> OpenAIRequest:
         req.chat, req.messages = chat, messages
         req.messages_json = bytes(raw)
         _options(req, doc)
+        if messages is not None:  # (a text-only chat decodes as ChatMessages: never looked at)
+            req.partial = first_media(messages)
+    elif len(doc.prompt_embeds) and (not len(doc.prompt) or bytes(doc.prompt) == b"null"):
+        check_embeds(doc.prompt_embeds)  # no ids to route by: load alone
+        req.partial = PROMPT_EMBEDS
     else:
         req.prompt = _first_prompt(doc.prompt)
         req.add_special_tokens = doc.add_special_tokens is not False
@@ -240,7 +257,13 @@ class PromptTokens:
         local tokenizer, and for the parity checks (:mod:`.parity`)."""
         if req.kind == COMPLETIONS and isinstance(req.prompt, list):
             return req.prompt
+        if req.partial == PROMPT_EMBEDS:
+            return None  # no ids: routed by load alone (see .media)
         tok = self.tokenizers.get(req.model)
+        if req.partial is not None and tok is not None:  # media: the text before the first
+            ids = await self._before_media(tok, req)
+            if ids is not None:
+                return ids
         if tok is not None:
             parity = self.parity if engine_url is not None else None
             if parity is not None and parity.engine_ids(req.model):
@@ -275,6 +298,24 @@ class PromptTokens:
                 return await self._chat_ids(tok, req)
         except (msgspec.ValidationError, ChatTemplateError) as exc:
             log.debug("local tokenization of a %s request failed (%s); asking the engine", req.kind, exc)
+        return None
+
+    async def _before_media(self, tok: TextTokenizer, req: OpenAIRequest) -> Sequence[int] | None:
+        """The ids of a chat's text before its first media part (see :mod:`.media`), or
+        None when they cannot be had here (the engine's ``/tokenize`` then)."""
+        options = req.options
+        try:
+            if options is not None and options.add_special_tokens:
+                return None  # (a BOS before, and whatever suffix after: the engine's)
+            cut = before_media(req.plain_messages() or [], tok.template_for(options).content_format)
+            chat = msgspec.convert(cut, list[ChatMessage])
+
+            def head(messages: list[ChatMessage]) -> Sequence[int] | None:
+                text = text_before(tok.render_chat(messages, options))
+                return None if text is None else tok.encode_rendered(text)
+            return await _off_loop_if_long(len(req.body), head, chat)
+        except (msgspec.ValidationError, ChatTemplateError) as exc:
+            log.debug("the text before a chat's media did not render (%s); asking the engine", exc)
         return None
 
     async def _chat_ids(self, tok: TextTokenizer, req: OpenAIRequest) -> array:
@@ -321,6 +362,11 @@ class PromptTokens:
             if req.options_json:  # what /tokenize takes of the other fields (vLLM 0.32)
                 opts = msgspec.json.decode(req.options_json)
                 payload.update({k: opts[k] for k in _TOKENIZE_TAKES if k in opts})
+                tok = self.tokenizers.get(req.model)
+                # /tokenize takes no tool_choice: the tools an engine that drops them for
+                # "none" would not render are not sent (the same setting as our render's)
+                if tok is not None and tok.drops_tools(opts.get("tool_choice")):
+                    payload.pop("tools", None)
         else:
             payload["prompt"] = req.prompt
             if not req.add_special_tokens:

@@ -7,11 +7,12 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    it, 503 with ``Retry-After``): the request holds its slot from here, before its body
    is read, to its answer's last byte (a streamed answer's :class:`~.relay.Relay` gives
    it back); then the body (:mod:`.prompt`: model, stream, prompt; a client that leaves
-   while sending it is a 499), and its prompt's length in characters
-   (``max_prompt_chars``, checked before tokenizing: an oversized prompt costs no
-   tokenizer memory);
-2. the targets: followed engines with an ``http`` URL serving the model, reachable
-   (:mod:`.load`); none: 503 with ``Retry-After``;
+   while sending it is a 499), and (its model known, 2.) its prompt's characters
+   (``max_prompt_chars``, or fewer if the model's ``max_model_len`` cannot hold more;
+   checked before tokenizing: an oversized prompt costs no tokenizer memory);
+2. the targets: followed engines with an ``http`` URL serving the model (or adapter:
+   :mod:`.catalog`, which also gives the prompt's identity with its ``cache_salt``),
+   reachable (:mod:`.load`); none: 503 with ``Retry-After``;
 3. the prompt's token ids, the session pin (``x-session-id``: a conversation stays on
    its engine while that engine is a target and not overloaded), else the policy's
    choice (:class:`~kvevents.routing.Router`: longest cached prefix per tier against
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hmac
 import json
 import logging
@@ -47,7 +49,9 @@ from starlette.responses import Response
 from kvevents.engines import EngineSpec
 from kvevents.gateway.answers import (WholeAnswer, answer_headers, cached_tokens, expected_cached,
                                       stream_cached_tokens)
+from kvevents.gateway.catalog import ModelCatalog, identity_digest
 from kvevents.gateway.errors import OpenAIError
+from kvevents.gateway.headers import DROP as _DROP, DROP_KEYED as _DROP_KEYED, with_rank
 from kvevents.gateway.inflight import InflightPrompts
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.memory import MemoryTrim
@@ -60,17 +64,12 @@ from kvevents.gateway.upstream import (UpstreamAborted, UpstreamConnectError, Up
                                        UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router
 from kvevents.text import TokenizerRegistry
-from kvevents.text.limits import text_chars
+from kvevents.text.limits import chars_limit, check_chars, text_chars
+from kvevents.text.prompt import InputError, check_length
 
 log = logging.getLogger(__name__)
 
 PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
-# Request headers not forwarded (ASGI names them in lower case): hop-by-hop ones, and
-# those the upstream client sets.
-_DROP = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding",
-                   b"upgrade", b"te", b"trailer", b"proxy-authorization", b"accept-encoding",
-                   b"expect"})
-_DROP_KEYED = _DROP | {b"authorization"}
 _SESSIONS = 100_000  # conversations remembered (least recently used forgotten first)
 
 
@@ -82,7 +81,7 @@ class Gateway:
                  poll_interval_s: float = 1.0, busy_poll_interval_s: float | None = 1.0,
                  prefill_tokens_per_request: int = 2048, max_prompt_tokens: int = 1_000_000,
                  max_prompt_chars: int = 4_000_000, token_parity_sample_rate: float = 0.01,
-                 token_parity_threshold: int = 3) -> None:
+                 token_parity_threshold: int = 3, models_interval_s: float = 30.0) -> None:
         self.router = router
         self.aggregator = router.aggregator
         self.tokenizers = tokenizers
@@ -106,6 +105,7 @@ class Gateway:
         self.parity = TokenParity(metrics.parity_checked, token_parity_sample_rate, token_parity_threshold)
         self._poller: asyncio.Task | None = None
         self._known: set[str] = set()  # targets at the last poll
+        self.catalog, self._catalog_task = ModelCatalog(models_interval_s), None  # engines' adapters
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -117,12 +117,14 @@ class Gateway:
         self._poller = asyncio.create_task(self.loads.poll_forever(
             self.client, self._metrics_urls, self.poll_interval_s, self.busy_poll_interval_s),
             name="kvevents-gateway-poll")
+        self._catalog_task = asyncio.create_task(self.catalog.run(self.client, lambda: [
+            (s.name, s.http) for s in self.aggregator.engine_specs() if s.http]), name="kvevents-gateway-models")
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (t for t in (self._poller, self._catalog_task) if t is not None):
+            task.cancel()
             try:
-                await self._poller
+                await task
             except asyncio.CancelledError:
                 pass
         await self.parity.stop()
@@ -135,6 +137,7 @@ class Gateway:
         """The targets' ``/metrics`` now; engines gone since the last call lose their
         series (an engine that leaves the fleet leaves no stale series behind)."""
         urls = {s.name: s.http + "/metrics" for s in self.aggregator.engine_specs() if s.http}
+        self.loads.set_ranks(self.aggregator.engine_specs())  # (a DP rank reads its own gauges)
         for gone in self._known - set(urls):
             self.metrics.forget_engine(gone)
         self.flights.forget(set(urls))
@@ -145,14 +148,17 @@ class Gateway:
     # -- targets ------------------------------------------------------------------------
 
     def targets(self, model: str | None) -> list[EngineSpec]:
-        """Engines with an OpenAI server that serve ``model`` (an engine without a model
-        in its spec serves any); leaving engines (gone from their discovery source) are not."""
+        """Engines with an OpenAI server serving ``model`` (or adapter), not leaving ones."""
         leaving = self.aggregator.leaving_engines()
-        return [s for s in self.aggregator.engine_specs() if s.http and s.name not in leaving
-                and (model is None or s.model is None or s.model == model)]
+        specs = [s for s in self.aggregator.engine_specs() if s.http and s.name not in leaving]
+        if model is None:
+            return specs
+        adapters = [s for s in specs if self.catalog.parent_of(s.name, model) is not None]
+        return adapters or [s for s in specs if s.model is None or s.model == model]
 
     def served_models(self) -> list[str]:
-        return sorted({s.model for s in self.aggregator.engine_specs() if s.http and s.model})
+        return sorted({s.model for s in self.aggregator.engine_specs() if s.http and s.model}
+                      | set(self.catalog.adapters()))
 
     # -- requests -----------------------------------------------------------------------
 
@@ -190,29 +196,30 @@ class Gateway:
             except ClientDisconnect:  # left mid-upload (or timed out by the server)
                 raise OpenAIError(499, "client closed the request while sending its body") from None
             req = parse_request(kind, body)
-            self._check_chars(req)
             response = await self._serve(request, req, t0)
             relayed = isinstance(response, Relay)
             return response
-        except OpenAIError as exc:
-            self.metrics.refused(req.model if req else None, exc.status)
-            return exc.response()
+        except (OpenAIError, InputError) as exc:  # (InputError: the prompt's limits)
+            err = exc if isinstance(exc, OpenAIError) else OpenAIError(exc.status, exc.message, exc.field)
+            self.metrics.refused(req.model if req else None, err.status)
+            return err.response()
         finally:
             if not relayed:
                 self.inflight -= 1
                 self.trim.ended()
 
-    def _check_chars(self, req: OpenAIRequest) -> None:
-        """400 for a prompt longer than ``max_prompt_chars`` characters, before it is
-        rendered or tokenized (the tokenizer's memory grows with the text: ~150 MB per
-        million characters)."""
-        if req.kind == CHAT and len(req.messages_json) <= self.max_prompt_chars:
+    def _check_chars(self, req: OpenAIRequest, model: str | None) -> None:
+        """The lookup API's 400 (:mod:`kvevents.text.limits`) for a prompt with more
+        characters than ``max_prompt_chars``, or than ``model``'s context (``max_model_len``,
+        within ``max_prompt_tokens``) can hold, before tokenizing it (~150 MB per million
+        characters). A chat whose JSON is within the limit is not counted: O(1)."""
+        ctx = min(self.catalog.context_len(model) or self.max_prompt_tokens, self.max_prompt_tokens)
+        if req.kind == CHAT and len(req.messages_json) <= min(ctx, self.max_prompt_chars):
             return  # a JSON text's strings hold no more characters than its bytes
-        chars = prompt_chars(req)
-        if chars > self.max_prompt_chars:
-            raise OpenAIError(400, f"prompt has {chars} characters; the limit is "
-                                   f"{self.max_prompt_chars} (max_prompt_chars)",
-                              "messages" if req.kind == CHAT else "prompt")
+        tok = self.tokenizers.get(model)
+        limit, why = chars_limit(self.max_prompt_chars, ctx, tok and tok.max_token_chars(),
+                                 "max_model_len" if ctx < self.max_prompt_tokens else "max_prompt_tokens")
+        check_chars(None, limit, "messages" if req.kind == CHAT else "prompt", why, prompt_chars(req))
 
     async def _serve(self, request: Request, req: OpenAIRequest, t0: float) -> Response:
         model = self._model_of(req)
@@ -226,17 +233,20 @@ class Gateway:
             raise OpenAIError(503, "no engine for this model is reachable now; retry shortly",
                               headers={"Retry-After": "2"})
         by_name = {s.name: s for s in reachable}
+        base, lora = self.catalog.identity(model, reachable)
+        ident = identity_digest(lora, req.cache_salt)  # keys its prompt in flight
+        self._check_chars(req, base if lora else model)
         assert self.tokens is not None
         try:
-            ids = await self.tokens.ids(req, reachable[0].http, reachable[0].name)
+            treq = req if lora is None or base is None else dataclasses.replace(req, model=base)
+            ids = await self.tokens.ids(treq, reachable[0].http, reachable[0].name)
         except Exception:  # noqa: BLE001 - routing must never be why a request fails
             log.exception("tokenizing a %s request failed; routing it by load alone", req.kind)
             ids = None
-        if ids is None:
-            self.metrics.untokenized.inc()
-        elif len(ids) > self.max_prompt_tokens:
-            raise OpenAIError(400, f"prompt has {len(ids)} tokens; the limit is "
-                                   f"{self.max_prompt_tokens}", "messages" if req.kind == CHAT else "prompt")
+        if ids is None or req.partial:  # no ids, or a part's (a chat's media, prompt embeds)
+            self.metrics.unscored(req.partial)
+        if ids is not None:  # (the same 400 as the characters' and the lookup API's)
+            check_length(ids, self.max_prompt_tokens, "messages" if req.kind == CHAT else "prompt")
         drop = _DROP_KEYED if self.api_key else _DROP  # (the gateway's key stays here)
         raw = request.scope["headers"]  # lowercase names (ASGI)
         headers = [(k, v) for k, v in raw if k not in drop]
@@ -244,14 +254,15 @@ class Gateway:
         tried: set[str] = set()
         arr = None if ids is None else np.asarray(ids, dtype=np.int64)
         while True:
-            decision = await self._decide(ids, arr, model, by_name, tried, session)
+            decision = await self._decide(ids, arr, model, by_name, tried, session,
+                                          (base if lora else model, lora, req.cache_salt, ident))
             engine = by_name[decision.engine]
             predicted = expected_cached(decision, len(ids) if ids else 0)
             # The request's load and prompt in flight, counted once it is on its way
             # (see UpstreamPool.send: nothing else is decided before).
             flight: list[tuple[int, tuple | None]] = []
             on_way = partial(self._on_way, flight, engine.name, decision, predicted, arr, model,
-                             ids, session)
+                             ids, session, ident)
             try:
                 upstream = await self._send(request, engine, req, headers, on_way)
             except OpenAIError as exc:  # the client left before any answer
@@ -278,6 +289,8 @@ class Gateway:
             return OpenAIError(status, f"engine {engine.name} failed before answering: {upstream}",
                                headers={"Retry-After": "1"}).response()
         prefill = flight[0]  # (told before _send first waited: it is on its way)
+        if upstream.status_code == 404 and model is not None:  # an adapter unloaded there?
+            self.catalog.stale(engine.name)
         if session:
             self._pin(session, engine.name)
         if req.stream and upstream.status_code < 400:
@@ -293,13 +306,15 @@ class Gateway:
         return served[0] if served else None
 
     async def _decide(self, ids: Sequence[int] | None, arr: np.ndarray | None, model: str | None,
-                      by_name: dict[str, EngineSpec], tried: set[str], session: str | None
-                      ) -> RouteDecision:
+                      by_name: dict[str, EngineSpec], tried: set[str], session: str | None,
+                      identity: tuple) -> RouteDecision:
         names = [n for n in by_name if n not in tried]
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
-        flying = {} if arr is None else self.flights.matches(arr, names)
-        decision = await self.router.choose(ids, model, None, self.loads.candidates(names, flying))
+        index_model, lora, salt, ident = identity  # (the index's model, lora, salt, digest)
+        flying = {} if arr is None else self.flights.matches(arr, names, ident)
+        decision = await self.router.choose(ids, index_model, lora,
+                                            self.loads.candidates(names, flying), cache_salt=salt)
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:
             # A conversation stays where its history is unless that engine is overloaded
@@ -318,12 +333,12 @@ class Gateway:
 
     def _on_way(self, flight: list, engine: str, decision: RouteDecision, predicted: int,
                 arr: np.ndarray | None, model: str | None, ids: Sequence[int] | None,
-                session: str | None) -> None:
+                session: str | None, ident: bytes = b"") -> None:
         """A request is on its way to ``engine``: its prefill tokens and prompt join the
         engine's load (``flight`` gets the handle :meth:`_finished` takes back), and the
         feed's route item is published after this turn of the loop."""
         prefill = (max(0, (len(ids) if ids else 0) - predicted),
-                   None if arr is None else self.flights.add(engine, arr))
+                   None if arr is None else self.flights.add(engine, arr, ident))
         flight.append(prefill)
         self.loads.started(engine, prefill[0])
         self.metrics.of(self.metrics.inflight, engine).inc()
@@ -346,7 +361,7 @@ class Gateway:
         assert engine.http is not None
         gone = client_gone(request.scope, request.receive)
         try:
-            return await self.upstream.send(engine.http, PATHS[req.kind], req.body, headers,
+            return await self.upstream.send(engine.http, PATHS[req.kind], req.body, with_rank(headers, engine),
                                             timeout_s=self.timeout_s, abort=gone, on_way=on_way)
         except UpstreamAborted:
             raise OpenAIError(499, "client closed the request") from None
@@ -454,30 +469,16 @@ class Gateway:
     # -- models -----------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        """``GET /v1/models``: the models the reachable engines serve (asked, merged by
-        id), else those their specs name."""
+        """``GET /v1/models``: what the reachable engines list, adapters included."""
         try:
             self.check_key(request)
         except OpenAIError as exc:
             return exc.response()
         assert self.client is not None
         specs = [s for s in self.targets(None) if self.loads.of(s.name).reachable]
-        answers = await asyncio.gather(*(self.client.get(s.http + "/v1/models", timeout=2.0)
-                                         for s in specs), return_exceptions=True)
-        data: dict[str, dict] = {}
-        for resp in answers:
-            if isinstance(resp, httpx.Response) and resp.status_code == 200:
-                try:
-                    for item in resp.json().get("data", []):
-                        if isinstance(item, dict) and isinstance(item.get("id"), str):
-                            data.setdefault(item["id"], item)
-                except (ValueError, AttributeError):
-                    continue
-        for name in self.served_models():
-            data.setdefault(name, {"id": name, "object": "model", "created": int(self.aggregator.started_at),
-                                   "owned_by": "kvevents"})
-        return Response(json.dumps({"object": "list", "data": list(data.values())}),
-                        media_type="application/json")
+        data = await self.catalog.listing(self.client, [s.http for s in specs], self.served_models(),
+                                          int(self.aggregator.started_at))
+        return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
 def prompt_chars(req: OpenAIRequest) -> int:

@@ -69,8 +69,26 @@ DEF R_NS_LIMIT = 3
 DEF R_TIER_LIMIT = 4
 DEF R_BAD_EVENT = 5
 
-# Media that name the same tier (SGLang's pinned host memory is the CPU tier).
+# Media that name the same tier (SGLang's pinned host memory is the CPU tier). Names are
+# compared upper-cased first (Mooncake and others send "cpu"); the rest are tiers as named
+# (DISK, EXTERNAL, STORAGE...).
 MEDIUM_ALIASES = {"CPU_PINNED": "CPU"}
+#: The tier of blocks announced with ``locality="REMOTE"``: shared storage, not the
+#: publishing engine's own memory, whatever its medium.
+REMOTE_TIER = "REMOTE"
+
+
+def tier_of(medium, locality=None):
+    """The tier name of a ``medium`` (None = GPU), as the index counts it: upper-cased,
+    aliases folded; ``locality="REMOTE"`` (any case) is the REMOTE tier."""
+    if isinstance(locality, str) and locality.upper() == REMOTE_TIER:
+        return REMOTE_TIER
+    if medium is None:
+        return "GPU"
+    if isinstance(medium, str):
+        up = medium.upper()
+        return MEDIUM_ALIASES.get(up, up)
+    return medium
 
 # Per-engine cumulative counters (C array, NC per engine): stored events and blocks per tier,
 # removed events and blocks per tier, then cleared, unknown, orphans, ignored, refused.
@@ -106,6 +124,13 @@ def digest64(*parts) -> int:
     return int.from_bytes(hashlib.blake2b(_msgpack.encode(parts), digest_size=8).digest(), "little")
 
 
+def ns_root_of(model, bs, lora, private=False) -> int:
+    """A namespace's root key (a private one's differs; public roots predate it)."""
+    if private:
+        return digest64("kvevents-root", model, bs, lora, "salted")
+    return digest64("kvevents-root", model, bs, lora)
+
+
 cdef inline uint64_t rotl(uint64_t x, int r) noexcept nogil:
     return (x << r) | (x >> (64 - r))
 
@@ -137,6 +162,44 @@ cdef uint64_t bytes_hash(const char* p, Py_ssize_t n) noexcept nogil:
         h = (h ^ <uint8_t>p[i]) * _P1
         h ^= h >> 29
     return mix64(h)
+
+
+cdef uint64_t seq_hash(object o, Py_ssize_t start, int depth) except? 0:
+    """``obj_hash`` of the list ``o[start:]`` (without building it)."""
+    cdef Py_ssize_t n = len(o), i
+    cdef uint64_t h = 0x6C6C ^ <uint64_t>(n - start)
+    for i in range(start, n):
+        h = mix64(h * _M + obj_hash(o[i], depth + 1))
+    return h | 1
+
+
+cdef uint64_t canon_extra(object e, object lora, bint first, bint* salted) except? 0:
+    """The digest of one block's extra key as the index keys it (0: none): the key less
+    its leading LoRA name (the namespace already says the adapter, and SGLang sends it
+    only as ``lora_name``). On a sequence's first block (``first``), a bare string left
+    is vLLM's ``cache_salt`` (its keys are LoRA name, (image id, offset) pairs, the salt,
+    prompt-embeds digests as bytes): ``salted`` is set."""
+    cdef Py_ssize_t start = 0, i, n
+    if e is None:
+        return 0
+    if not (isinstance(e, list) or isinstance(e, tuple)):
+        return obj_hash(e, 0)
+    n = len(e)
+    if lora is not None and n and e[0] == lora:
+        start = 1
+    if start == n:
+        return 0
+    if first:
+        for i in range(start, n):
+            if isinstance(e[i], str):
+                salted[0] = True
+    return seq_hash(e, start, 0)
+
+
+def extra_digest(keys) -> int:
+    """The digest a block's extra ``keys`` (a tuple, as the index keys it: no LoRA name)
+    are chained with: ``extra_digest((cache_salt,))`` is a salted first block's."""
+    return obj_hash(keys, 0)
 
 
 cdef uint64_t obj_hash(object o, int depth) except? 0:
@@ -193,6 +256,7 @@ cdef class Core:
     cdef bint keep_tokens
     # -- namespaces --
     cdef uint64_t* ns_root
+    cdef uint8_t* ns_priv             # 1: a namespace of salted sequences (never shown)
     cdef int ns_cap
     # -- scratch buffers (converted hashes / tokens of one event, lookup runs) --
     cdef uint64_t* sh
@@ -210,8 +274,8 @@ cdef class Core:
     cdef int64_t c_refused[N_REASONS]
     cdef int64_t c_events, c_cleared, c_unknown, c_orphans, c_ignored
     # -- registries (Python objects; touched once per event at most, in C) --
-    cdef public dict ns_id            # (model, block_size, lora) -> ns id
-    cdef public list ns_info          # ns id -> (model, block_size, lora)
+    cdef public dict ns_id            # (model, block_size, lora, private) -> ns id
+    cdef public list ns_info          # ns id -> (model, block_size, lora, private)
     cdef public dict tier_id          # medium name (None = GPU) -> tier id
     cdef public list tier_name
     cdef public list engine_orig      # engine id -> {h64: original hash} (bytes, big ints)
@@ -266,6 +330,7 @@ cdef class Core:
         self.stok = NULL
         self.stok_cap = 0
         self.ns_root = NULL
+        self.ns_priv = NULL
         self.tier(None)  # tier 0 is GPU (the wire's None), so lookups' first tier is stable
 
     def __dealloc__(self):
@@ -281,7 +346,7 @@ cdef class Core:
                 table_free(&self.pmaps[p])
             free(self.pmaps)
         free(self.psalt); free(self.pflags); free(self.counts); free(self.tot); free(self.arena)
-        free(self.ns_root); free(self.sh); free(self.stok); free(self.ends)
+        free(self.ns_root); free(self.ns_priv); free(self.sh); free(self.stok); free(self.ends)
 
     # ------------------------------------------------------------------ storage
 
@@ -441,7 +506,7 @@ cdef class Core:
         cdef object t = self.tier_id.get(medium)
         if t is not None:
             return <int>t
-        name = "GPU" if medium is None else MEDIUM_ALIASES.get(medium, medium)
+        name = tier_of(medium)
         t = self.tier_id.get(name)
         if t is None:
             if len(self.tier_name) >= self.max_tiers or not isinstance(name, str):
@@ -456,9 +521,12 @@ cdef class Core:
         self.tier_id[medium] = t
         return <int>t
 
-    cdef int _namespace(self, int pid, object model, int64_t bs, object lora) except -2:
-        """Namespace id of (model, block size, LoRA) for engine ``pid``; -1 beyond a cap."""
-        key = (model, bs, lora)
+    cdef int _namespace(self, int pid, object model, int64_t bs, object lora,
+                        bint private=False) except -2:
+        """Namespace id of (model, block size, LoRA, private) for engine ``pid``; -1 beyond
+        a cap. A private namespace holds salted sequences: its own root, no kept tokens,
+        never shown by inspection queries, reached only by lookups with a salt."""
+        key = (model, bs, lora, private)
         cdef object nid = self.ns_id.get(key)
         cdef set used = <set>self.engine_ns[pid]
         if nid is not None and nid in used:
@@ -472,7 +540,7 @@ cdef class Core:
                 self.last_refusal = ("namespace_limit",
                                      f"{len(self.ns_info)} namespaces in total (max_namespaces)")
                 return -1
-            ml = (model, lora)
+            ml = (model, lora, private)
             sizes = self.block_sizes.get(ml, 0)
             if bs > 0 and sizes >= self.max_block_sizes:
                 # A lookup for (model, LoRA) tries each of its block sizes: keep them few.
@@ -485,7 +553,9 @@ cdef class Core:
             if <int>nid >= self.ns_cap:
                 self.ns_cap = max(64, self.ns_cap * 2)
                 self.ns_root = <uint64_t*>_realloc(self.ns_root, self.ns_cap * sizeof(uint64_t))
-            self.ns_root[<int>nid] = <uint64_t>digest64("kvevents-root", model, bs, lora)
+                self.ns_priv = <uint8_t*>_realloc(self.ns_priv, self.ns_cap)
+            self.ns_root[<int>nid] = <uint64_t>ns_root_of(model, bs, lora, private)
+            self.ns_priv[<int>nid] = private
             self.ns_info.append(key)
             self.ns_id[key] = nid
         used.add(nid)
@@ -737,7 +807,9 @@ cdef class Core:
         cdef int64_t n = len(<list>hashes)
         if n == 0:
             return 0
-        tier[0] = self.tier(ev.medium)
+        loc = ev.locality
+        tier[0] = self.tier(REMOTE_TIER if isinstance(loc, str) and loc.upper() == REMOTE_TIER
+                            else ev.medium)
         if tier[0] < 0:
             self._refuse(R_TIER_LIMIT, f"medium {ev.medium!r}: more than {self.max_tiers} tiers")
             return 0
@@ -782,6 +854,7 @@ cdef class Core:
         cdef uint64_t* xd = NULL
         extra = ev.extra_keys
         cdef int64_t i
+        cdef int ns
         cdef bint has_extra = False
         if extra is not None:
             if type(extra) is not list:
@@ -796,18 +869,33 @@ cdef class Core:
         if parent is not None and self._hash_one(parent, &ph, pid) < 0:
             self._refuse(R_BAD_HASH, "parent_block_hash is neither an int nor bytes")
             return 0
-        cdef int ns = self._namespace(pid, model, bs, lora)
-        if ns < 0:
-            self.c_refused[R_NS_LIMIT] += 1
+        # SGLang names the salt on every event of a salted sequence; vLLM puts it in the
+        # first block's extra key (found by canon_extra). Either way the first block is
+        # keyed with it, as vLLM keys it, and the sequence lives in a private namespace
+        # (continuations inherit their parent's: see _chain).
+        salt = getattr(ev, "cache_salt", None)
+        if salt is not None and not isinstance(salt, str):
+            self._refuse(R_BAD_EVENT, "cache_salt is not a string")
             return 0
-        if has_extra:
+        cdef bint salted = bool(salt)
+        cdef bint first_salt = salted and parent is None
+        if has_extra or first_salt:
             xd = <uint64_t*>malloc(n * sizeof(uint64_t))
             if xd == NULL:
                 raise MemoryError()
         try:
             if has_extra:
                 for i in range(n):
-                    xd[i] = obj_hash(extra[i], 0) if i < len(<list>extra) and extra[i] is not None else 0
+                    xd[i] = canon_extra(extra[i], lora, i == 0 and parent is None, &salted) \
+                        if i < len(<list>extra) else 0
+            elif xd != NULL:
+                memset(xd, 0, n * sizeof(uint64_t))
+            if first_salt and xd[0] == 0:
+                xd[0] = obj_hash((salt,), 0)
+            ns = self._namespace(pid, model, bs, lora, salted)
+            if ns < 0:
+                self.c_refused[R_NS_LIMIT] += 1
+                return 0
             self._chain(pid, ns, tier, n, bs, parent is not None, ph, xd, self.sh, self.stok)
         finally:
             free(xd)
@@ -831,6 +919,11 @@ cdef class Core:
         else:
             ps = table_get(pm, mix64(ph))
             if ps >= 0:
+                # A salted sequence's later blocks carry no salt (vLLM): they stay private
+                # with their parent (this engine's own block, so its namespace is one the
+                # engine already uses).
+                if self.ns_priv[self.nsid[ps]] and not self.ns_priv[ns]:
+                    ns = self.nsid[ps]
                 prev = self.key[ps]
                 d = self.depth[ps] + 1 if self.depth[ps] else 0
             else:
@@ -864,7 +957,7 @@ cdef class Core:
             s = table_get(&self.content, k)
             if s < 0:
                 s = self._alloc_slot(k, prev, d, <uint16_t>ns)
-                if self.keep_tokens and d and bs <= MAX_KEPT_BLOCK and (d - 1) * bs < HEAD_TOKENS:
+                if self.keep_tokens and d and not self.ns_priv[ns] and bs <= MAX_KEPT_BLOCK and (d - 1) * bs < HEAD_TOKENS:
                     self._keep_tokens(s, stok + i * bs, bs)
             self._add_ref(s, pid, tier)
             old = table_put(pm, mh[i % LOOKAHEAD], s)
@@ -1184,12 +1277,15 @@ cdef class Core:
         n_out[0] = n
         return self.stok
 
-    def lookup(self, tokens, list spaces, list names, const int32_t[::1] rank, match_cls):
+    def lookup(self, tokens, list spaces, list names, const int32_t[::1] rank, match_cls,
+               uint64_t first_extra=0):
         """Per engine, leading matched tokens over the namespaces ``spaces`` (a list of
         (ns id, block size), in preference order: an engine's best namespace wins, the
         first on ties). Returns ``match_cls(name, tokens, {tier: tokens}, block size)``
         per matching engine, sorted by tokens descending then ``rank`` (the engine's
-        position in name order). The token buffer must stay alive for the call."""
+        position in name order). ``first_extra``: the first block's extra-key digest
+        (``extra_digest((cache_salt,))``; 0: none). The token buffer must stay alive for
+        the call."""
         cdef Py_ssize_t n_tok
         cdef const int64_t* tp = self._token_ptr(tokens, &n_tok)
         if n_tok >= (1 << 31):
@@ -1212,7 +1308,7 @@ cdef class Core:
                 bs = bs_obj
                 if bs <= 0 or n_tok < bs:
                     continue
-                n_found = self._match_ns(tp, n_tok, <int>ns, bs, found)
+                n_found = self._match_ns(tp, n_tok, <int>ns, bs, found, first_extra)
                 for i in range(n_found):
                     pid = found[i]
                     tok = <int64_t>self.ends[pid] * bs
@@ -1261,7 +1357,7 @@ cdef class Core:
         return 0
 
     cdef int _match_ns(self, const int64_t* tp, Py_ssize_t n_tok, int ns, int64_t bs,
-                       int32_t* found) except -1:
+                       int32_t* found, uint64_t first_extra=0) except -1:
         """Match one namespace: leaves, per matching engine, its any-tier run in
         ``ends[pid]`` and tier t's run in ``ends[(1 + t) * engine_cap + pid]`` (blocks), and
         the engines in ``found``; returns their number. The caller zeroes those ends.
@@ -1280,7 +1376,7 @@ cdef class Core:
                 raise MemoryError()
         cdef uint64_t keys[LOOKAHEAD]
         cdef int c, w, t, n_found = 0
-        cdef uint64_t anym, m, dropped
+        cdef uint64_t anym, m, dropped, row
         cdef int64_t i, matched = 0, computed = 0
         cdef uint64_t k = self.ns_root[ns]
         cdef int32_t s
@@ -1297,7 +1393,10 @@ cdef class Core:
             while computed < n_blocks and computed < i + LOOKAHEAD:
                 if self.conv_list is not None and self.conv_n < (computed + 1) * bs:
                     self._convert_upto((computed + 1) * bs)
-                k = chain_key(k, row_hash(tp + computed * bs, bs))
+                row = row_hash(tp + computed * bs, bs)
+                if computed == 0 and first_extra:
+                    row = mix64(row ^ (first_extra * _EXTRA))
+                k = chain_key(k, row)
                 keys[computed % LOOKAHEAD] = k
                 kv_prefetch(&self.content.b[table_home(&self.content, k)])
                 computed += 1
@@ -1580,16 +1679,20 @@ cdef class Core:
             self.psalt[p] = <uint64_t>st["psalt"][p]
             self.pflags[p] = st["pflags"][p]
         memcpy(self.counts, <char*>st["counts"], nengines * MAX_TIERS * 8)
-        self.ns_info = [tuple(x) for x in st["ns_info"]]
+        # States written before private namespaces have (model, bs, lora): public.
+        self.ns_info = [tuple(x) if len(x) == 4 else (*x, False) for x in st["ns_info"]]
         self.ns_id = {x: i for i, x in enumerate(self.ns_info)}
         self.block_sizes = {}
-        for model, bs, lora in self.ns_info:
+        for model, bs, lora, private in self.ns_info:
             if bs > 0:
-                self.block_sizes[(model, lora)] = self.block_sizes.get((model, lora), 0) + 1
+                ml = (model, lora, private)
+                self.block_sizes[ml] = self.block_sizes.get(ml, 0) + 1
         self.ns_cap = max(64, len(self.ns_info))
         self.ns_root = <uint64_t*>_realloc(self.ns_root, self.ns_cap * 8)
-        for i, (model, bs, lora) in enumerate(self.ns_info):
-            self.ns_root[i] = <uint64_t>digest64("kvevents-root", model, bs, lora)
+        self.ns_priv = <uint8_t*>_realloc(self.ns_priv, self.ns_cap)
+        for i, (model, bs, lora, private) in enumerate(self.ns_info):
+            self.ns_root[i] = <uint64_t>ns_root_of(model, bs, lora, private)
+            self.ns_priv[i] = bool(private)
         self.engine_orig = [None if d is None else dict(d) for d in st["pod_orig"]]
         self.engine_ns = [None if u is None else set(u) for u in st["pod_ns"]]
         while len(self.engine_orig) < nengines:

@@ -128,8 +128,8 @@ cdef int _lane_apply(Core core, int pid, const uint8_t* p, const Stage* st, Wire
 
 
 cdef Py_ssize_t _lane_stage(const uint8_t* p, Py_ssize_t n, double* ts, const WireCache* wc,
-                            Stage* st) except -2 nogil:
-    return _w_stage(p, n, ts, wc, st)
+                            Stage* st, int64_t* rank) except -2 nogil:
+    return _w_stage(p, n, ts, wc, st, rank)
 
 
 # Called through these types, _lane_apply returns -1 and _lane_stage -2 with the exception
@@ -138,7 +138,7 @@ cdef Py_ssize_t _lane_stage(const uint8_t* p, Py_ssize_t n, double* ts, const Wi
 ctypedef int (*lane_apply_raw_f)(Core, int, const uint8_t*, const Stage*, WireCache*,
                                  int64_t*) noexcept nogil
 ctypedef Py_ssize_t (*lane_stage_raw_f)(const uint8_t*, Py_ssize_t, double*, const WireCache*,
-                                        Stage*) noexcept nogil
+                                        Stage*, int64_t*) noexcept nogil
 
 
 cdef class WireSink:
@@ -163,6 +163,9 @@ cdef class WireSink:
     cdef double lag_sum
     cdef object error                   # the exception a failed batch raised
     cdef Stage stage                    # the batch being applied, read ahead of the lock
+    # The data-parallel rank this engine's stream is (-1: any). A batch of another rank
+    # is declined: the Python path applies it and counts the mismatch.
+    cdef public int64_t dp_rank
 
     def __cinit__(self, Core core, NogilLock lock, int pid, model, lag_bounds=()):
         if len(lag_bounds) > MAX_LAG_BUCKETS:
@@ -176,6 +179,7 @@ cdef class WireSink:
             self.bounds[i] = b
         _cache_reset(&self.cache)
         memset(&self.stage, 0, sizeof(Stage))
+        self.dp_rank = -1
         self.c.apply = _sink_apply
         self.c.ctx = <void*>self
         # The capsule points into this object: whoever holds the capsule keeps the sink.
@@ -210,8 +214,8 @@ cdef class WireSink:
                     _cache_put_tier(&self.cache, <const uint8_t*>PyBytes_AS_STRING(raw), 0,
                                     len(raw), t)
         for nid in used:
-            model, bs, lora = core.ns_info[nid]
-            if model == self.model and lora is None and bs > 0 and self.cache.n_ns < 4:
+            model, bs, lora, private = core.ns_info[nid]
+            if model == self.model and lora is None and not private and bs > 0 and self.cache.n_ns < 4:
                 _cache_put_ns(&self.cache, bs, nid)
 
     cdef int apply_lane(self, uint64_t seq, const uint8_t* p, Py_ssize_t n,
@@ -221,15 +225,16 @@ cdef class WireSink:
         cdef double lag
         cdef int b
         cdef Py_ssize_t r
+        cdef int64_t rank = -1
         if self.pid < 0 or not self.ready:
             return 1
         # Read (and checked) before taking the lock: lookups never wait on the parse.
-        r = (<lane_stage_raw_f>_lane_stage)(p, n, ts, &self.cache, &self.stage)
+        r = (<lane_stage_raw_f>_lane_stage)(p, n, ts, &self.cache, &self.stage, &rank)
         if r == -2:
             with gil:
                 self._keep_error()
             return 2
-        if r < 0:
+        if r < 0 or (self.dp_rank >= 0 and rank >= 0 and rank != self.dp_rank):
             return 1
         self.lock.take()
         if self.pid < 0:  # invalidated while we waited

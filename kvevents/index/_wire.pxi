@@ -11,7 +11,8 @@
 # The common shape, and nothing else, is read here: ``[ts, [event, ...], dp_rank?]``
 # with map-encoded events (``"type"`` first), int block hashes, an int array of token
 # ids covering every block, ``lora_id`` / ``lora_name`` / ``extra_keys`` absent or nil
-# (``extra_keys`` may be a list of nils) and ASCII strings. Anything else (legacy array
+# (``extra_keys`` may be a list of nils), ``cache_salt`` absent or nil, ``locality`` not
+# ``"REMOTE"``, and ASCII strings. Anything else (legacy array
 # events, bytes hashes, LoRA, extra keys, token-less stores, unknown event types, odd
 # values in fields nobody reads, malformed bytes) makes ``scan`` return None and the
 # batch takes the general path (``schema.BatchDecoder`` + ``Core._apply_events``),
@@ -455,6 +456,16 @@ cdef inline bint _w_is(const uint8_t* p, Py_ssize_t spos, Py_ssize_t slen, const
     return slen == nlen and memcmp(p + spos, name, nlen) == 0
 
 
+cdef inline bint _w_is_remote(const uint8_t* q) noexcept nogil:
+    """The 6 bytes at ``q`` spell REMOTE in any case."""
+    cdef const char* r = b"remote"
+    cdef int i
+    for i in range(6):
+        if (q[i] | 0x20) != <uint8_t>r[i]:
+            return False
+    return True
+
+
 # Field bits (one per field name, to require fields and refuse duplicates).
 DEF K_HASHES = 1
 DEF K_PARENT = 2
@@ -470,8 +481,12 @@ DEF K_WINDOW = 1024
 DEF K_LOCALITY = 2048
 DEF K_OWNERSHIP = 4096
 DEF K_SESSION = 8192
+DEF K_SALT = 16384
+# The largest data_parallel_rank the common shape takes (a larger one, or a negative
+# one, decodes on the general path).
+DEF MAX_DP_RANK = 65535
 # The fields each event type has (other keys are ignored, as msgspec does).
-DEF F_OF_STORED = 16383
+DEF F_OF_STORED = 32767
 DEF F_OF_REMOVED = K_HASHES | K_MEDIUM | K_GROUP | K_LOCALITY | K_OWNERSHIP
 
 
@@ -491,6 +506,7 @@ cdef int _w_field(const uint8_t* p, Py_ssize_t spos, Py_ssize_t slen) noexcept n
     if _w_is(p, spos, slen, b"locality", 8): return K_LOCALITY
     if _w_is(p, spos, slen, b"ownership", 9): return K_OWNERSHIP
     if _w_is(p, spos, slen, b"session_id", 10): return K_SESSION
+    if _w_is(p, spos, slen, b"cache_salt", 10): return K_SALT
     if _w_is(p, spos, slen, b"type", 4): return -1
     return 0
 
@@ -598,7 +614,16 @@ cdef Py_ssize_t _w_event(const uint8_t* p, Py_ssize_t pos, Py_ssize_t end, WEven
             pos = _w_nil_or_int(p, pos, end, &present, &u, &neg)
         elif f == K_SESSION:
             pos = _w_nil_or_str(p, pos, end, &s, &sl)
-        else:  # locality, ownership: any value
+        elif f == K_SALT:
+            if pos >= end or p[pos] != 0xC0:
+                return -1  # a salted sequence (SGLang): the general path keys it
+            pos += 1
+        elif f == K_LOCALITY:
+            # REMOTE blocks (any case) are the general path's: their tier is REMOTE.
+            pos = _w_nil_or_str(p, pos, end, &s, &sl)
+            if s >= 0 and sl == 6 and _w_is_remote(p + s):
+                return -1
+        else:  # ownership: any value
             pos = _w_skip(p, pos, end, 0)
         if pos < 0:
             return -1
@@ -671,11 +696,13 @@ cdef void _stage_free(Stage* st) noexcept nogil:
 
 
 cdef Py_ssize_t _w_stage(const uint8_t* p, Py_ssize_t end, double* ts, const WireCache* covered,
-                         Stage* st) except -2 nogil:
+                         Stage* st, int64_t* rank) except -2 nogil:
     """Whether a whole payload is a batch of the common shape: its event count, or -1.
     With ``covered``, also -1 unless every tier and namespace its events need is in that
     cache (so applying it needs nothing else resolved). With ``st``, what the walk read is
-    kept there (each event, its hashes and token ids) for :meth:`Core._staged_apply`."""
+    kept there (each event, its hashes and token ids) for :meth:`Core._staged_apply`.
+    ``rank`` (if not NULL) gets the batch's ``data_parallel_rank`` (-1: absent or nil);
+    a rank that is not a small non-negative int is not of the common shape."""
     cdef int64_t n_items, n_events, i, hused = 0, tused = 0
     cdef uint64_t u
     cdef bint neg, present
@@ -716,18 +743,24 @@ cdef Py_ssize_t _w_stage(const uint8_t* p, Py_ssize_t end, double* ts, const Wir
                 return -1
             if ev.kind == EV_STORED and _cache_ns(covered, ev.bs) < 0:
                 return -1
+    present = False
     if n_items == 3:
         pos = _w_nil_or_int(p, pos, end, &present, &u, &neg)  # data_parallel_rank
+        if pos >= 0 and present and (neg or u > MAX_DP_RANK):
+            return -1
     if pos != end:
         return -1
+    if rank != NULL:
+        rank[0] = <int64_t>u if present else -1
     if st != NULL:
         st.n_ev = n_events
     return n_events
 
 
-cdef inline Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts) noexcept nogil:
+cdef inline Py_ssize_t _w_scan(const uint8_t* p, Py_ssize_t end, double* ts,
+                               int64_t* rank) noexcept nogil:
     """:func:`_w_stage` that keeps nothing and needs no tier known (it never raises)."""
-    return _w_stage(p, end, ts, NULL, NULL)
+    return _w_stage(p, end, ts, NULL, NULL, rank)
 
 
 cdef class WireBatch:
@@ -738,11 +771,13 @@ cdef class WireBatch:
 
     cdef readonly double ts
     cdef readonly bytes payload
+    cdef readonly object data_parallel_rank  # read by the scan (None: absent or nil)
     cdef object _decoded  # the general decoder's batch, made on first demand
 
-    def __cinit__(self, double ts, bytes payload):
+    def __cinit__(self, double ts, bytes payload, data_parallel_rank=None):
         self.ts = ts
         self.payload = payload
+        self.data_parallel_rank = data_parallel_rank
 
     cdef object _batch(self):
         if self._decoded is None:
@@ -752,10 +787,6 @@ cdef class WireBatch:
     @property
     def events(self):
         return self._batch().events
-
-    @property
-    def data_parallel_rank(self):
-        return self._batch().data_parallel_rank
 
     def __repr__(self):
         return f"WireBatch(ts={self.ts!r}, {len(self.payload)} bytes)"
@@ -773,8 +804,9 @@ def scan(payload):
     cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(payload)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(payload)
     cdef Py_ssize_t r
+    cdef int64_t rank = -1
     with nogil:
-        r = _w_scan(p, n, &ts)
+        r = _w_scan(p, n, &ts, &rank)
     if r < 0:
         return None
-    return WireBatch(ts, payload)
+    return WireBatch(ts, payload, None if rank < 0 else rank)

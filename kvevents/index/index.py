@@ -46,7 +46,7 @@ from typing import Any
 
 from ..wire.schema import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from . import queries, state
-from ._core import Core, NogilLock, WireBatch, WireSink
+from ._core import Core, NogilLock, WireBatch, WireSink, extra_digest
 from .counts import Counts, all_counts, fold
 from .engine_ids import EngineIds
 from .results import (
@@ -134,8 +134,8 @@ class PrefixIndex:
         self._refusal_logged: dict[tuple[str, str], float] = {}
         # Lookup's namespace lists, extended as the core creates namespaces.
         self._ns_seen = 0
-        self._by_model: dict[tuple[str | None, str | None], list[tuple[int, int]]] = {}
-        self._by_lora: dict[str | None, list[tuple[int, int]]] = {}
+        self._by_model: dict[tuple[str | None, str | None, bool], list[tuple[int, int]]] = {}
+        self._by_lora: dict[tuple[str | None, bool], list[tuple[int, int]]] = {}
         self._prefix_cache = queries.PrefixCache()
 
     # ------------------------------------------------------------------ ingest
@@ -247,11 +247,17 @@ class PrefixIndex:
         model: str | None = None,
         lora_name: str | None = None,
         *,
+        cache_salt: str | None = None,
         blocking: bool = True,
         timeout: float = -1,
     ) -> LookupResult:
         """Per engine, how many leading tokens of the prompt are cached (any tier, and per
         tier), best first. ``model=None`` searches every model's namespaces.
+
+        The prompt's identity is the engines': ``lora_name`` the adapter it runs under,
+        ``cache_salt`` its tenant's salt (vLLM keys the first block with it; an empty
+        salt is none, as in vLLM). Only blocks stored under the same identity match:
+        a salted lookup searches only salted sequences, an unsalted one never them.
 
         ``token_ids``: a list of ints, or an int64 / int32 / uint32 buffer (numpy
         array, ``array('q')``); list items are converted (and checked) as matching
@@ -263,41 +269,45 @@ class PrefixIndex:
         if not (self.lock.acquire(True, timeout) if blocking else self.lock.acquire(False)):
             raise IndexBusy("index busy" if not blocking else f"index busy for {timeout} s")
         try:
-            spaces = self._spaces(model, lora_name)
-            engines_out = self._core.lookup(token_ids, spaces, self._engines.names,
-                                            self._engines.rank(), EngineMatch) if spaces else []
+            spaces = self._spaces(model, lora_name, bool(cache_salt))
+            engines_out = self._core.lookup(
+                token_ids, spaces, self._engines.names, self._engines.rank(), EngineMatch,
+                extra_digest((cache_salt,)) if cache_salt else 0) if spaces else []
         finally:
             self.lock.release()
         block_size = engines_out[0].block_size if engines_out else (spaces[0][1] if spaces else 0)
         return LookupResult(prompt_tokens=len(token_ids), block_size=block_size,
                             engines=engines_out, model=model, lora_name=lora_name)
 
-    def _spaces(self, model: str | None, lora: str | None) -> list[tuple[int, int]]:
-        """(ns id, block size) of the namespaces a lookup searches, in creation order.
-        Kept incrementally: a lookup never scans every namespace."""
+    def _spaces(self, model: str | None, lora: str | None,
+                private: bool = False) -> list[tuple[int, int]]:
+        """(ns id, block size) of the namespaces a lookup searches, in creation order
+        (``private``: those of salted sequences). Kept incrementally: a lookup never
+        scans every namespace."""
         info = self._core.ns_info
         if self._ns_seen < len(info):
             for nid in range(self._ns_seen, len(info)):
-                m, bs, lo = info[nid]
+                m, bs, lo, priv = info[nid]
                 if bs > 0:
-                    self._by_model.setdefault((m, lo), []).append((nid, bs))
-                    self._by_lora.setdefault(lo, []).append((nid, bs))
+                    self._by_model.setdefault((m, lo, priv), []).append((nid, bs))
+                    self._by_lora.setdefault((lo, priv), []).append((nid, bs))
             self._ns_seen = len(info)
         if model is None:
-            return self._by_lora.get(lora, [])
-        return self._by_model.get((model, lora), [])
+            return self._by_lora.get((lora, private), [])
+        return self._by_model.get((model, lora, private), [])
 
     # ------------------------------------------------------------------ queries
 
     def blocks_by_engine_hash(self, block_hash: BlockHash) -> BlockInfo:
         """Where an engine block hash lives: every engine holding it (with per-tier reference
         counts) and, when known, its namespace, depth and (for blocks within a
-        sequence's first 64 tokens) its tokens. Costs one probe per engine."""
+        sequence's first 64 tokens) its tokens. Costs one probe per engine. Blocks of
+        salted sequences are not shown (as if unknown): a salt is a tenant's."""
         return queries.blocks_by_engine_hash(self.lock, self._core, self._engines, block_hash)
 
     def top_prefixes(self, model: str | None = None, limit: int = 10) -> list[PrefixInfo]:
         """The most widely cached prefixes: ordered by number of engines holding them, then
-        length. A prefix is reported at its longest extent with that many holders; its
+        length. Salted sequences are never listed. A prefix is reported at its longest extent with that many holders; its
         shorter sub-prefixes are not repeated. Reads the index in short chunks (the lock
         is never held for long) and caches the answer for a second."""
         if limit <= 0:

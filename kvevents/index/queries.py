@@ -49,8 +49,8 @@ def blocks_by_engine_hash(lock: threading.Lock, core: Core, engines: EngineIds,
             if name is None:
                 continue
             s = core.slot_of_hash(pid, h)
-            if s < 0:
-                continue
+            if s < 0 or core.ns_info[core.slot_info(s)[3]][3]:
+                continue  # unknown, or a salted sequence's: not shown
             tiers = {tn[t]: c for t in range(len(tn)) if (c := core.refcount(s, pid, t))}
             if tiers:
                 holders.append(BlockHolder(engine=name, tiers=tiers))
@@ -60,7 +60,7 @@ def blocks_by_engine_hash(lock: threading.Lock, core: Core, engines: EngineIds,
         info = BlockInfo(engine_hash=block_hash, holders=sorted(holders, key=lambda x: x.engine))
         if best is not None:
             _key, _parent, depth, ns, toks = core.slot_info(best[1])
-            info.model, info.block_size, info.lora_name = core.ns_info[ns]
+            info.model, info.block_size, info.lora_name, _private = core.ns_info[ns]
             info.depth = depth
             info.tokens = toks
     return info
@@ -130,9 +130,9 @@ def top_prefixes(lock: threading.Lock, core: Core, engines: EngineIds, model: st
         return []
     with lock:
         n = core.n_slot_hw
-        ns_filter = None
-        if model is not None:
-            ns_filter = bytes(1 if m == model else 0 for (m, _, _) in core.ns_info)
+        # Salted sequences' namespaces are never shown.
+        ns_filter = bytes(1 if (model is None or m == model) and not private else 0
+                          for (m, _, _, private) in core.ns_info)
     dominated = bytearray(n)
     dom = memoryview(dominated)
     for start in range(0, n, CHUNK):
@@ -161,7 +161,7 @@ def top_prefixes(lock: threading.Lock, core: Core, engines: EngineIds, model: st
             _k, parent, depth, ns, _t = core.slot_info(slot)
             names = engines.names
             holders = sorted(names[p] for p in core.holders(slot) if names[p] is not None)
-            mdl, bs, lora = core.ns_info[ns]
+            mdl, bs, lora, _private = core.ns_info[ns]
         # Walk to the root (WALK_STEPS blocks per lock hold): marks the sub-prefixes,
         # collects the leading tokens. A block freed meanwhile ends the walk.
         chain_toks: list[list[int] | None] = []

@@ -61,13 +61,16 @@ class Router:
 
     async def decide(self, token_ids: Sequence[int], model: str | None = None,
                      lora_name: str | None = None,
-                     requested: Sequence[tuple[str, EngineLoad]] | None = None) -> RouteDecision:
+                     requested: Sequence[tuple[str, EngineLoad]] | None = None, *,
+                     cache_salt: str | None = None) -> RouteDecision:
         """The engine for this prompt. Raises :class:`InputError` for bad candidates."""
-        return await self.choose(token_ids, model, lora_name, self.candidates(requested))
+        return await self.choose(token_ids, model, lora_name, self.candidates(requested),
+                                 cache_salt=cache_salt)
 
     async def choose(self, token_ids: Sequence[int] | None, model: str | None,
                      lora_name: str | None, candidates: Sequence[Candidate],
-                     down: Collection[str] = ()) -> RouteDecision:
+                     down: Collection[str] = (), *,
+                     cache_salt: str | None = None) -> RouteDecision:
         """The policy's choice among ``candidates`` (already checked). ``token_ids`` None:
         no cache signal (load alone). Engines down now, or in ``down``, are chosen only
         when every candidate is."""
@@ -76,7 +79,8 @@ class Router:
             result = LookupResult(0, 0, [], model, lora_name)
             ids: Sequence[int] = ()
         else:
-            result = without_engines(await lookup(agg, token_ids, model, lora_name, "route"),
+            result = without_engines(await lookup(agg, token_ids, model, lora_name, "route",
+                                                  cache_salt),
                                      agg.unroutable_engines())
             ids = token_ids
         return self.policy.choose(ids, result, candidates, down=agg.down_engines() | set(down))

@@ -28,7 +28,7 @@ from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
 from kvevents.text.chat import ChatMessage
 from kvevents.text.chat_inputs import ChatOptions
-from kvevents.text.limits import check_chars
+from kvevents.text.limits import chars_limit, check_chars
 from kvevents.text.prompt import check_length, chosen_input, text_encoder
 
 # Longest the event loop waits for the index lock before handing the wait to a thread.
@@ -36,22 +36,22 @@ _LOOP_WAIT_S = 0.002
 
 
 def lookup_now(agg: Aggregator, token_ids, model: str | None, lora_name: str | None,
-               endpoint: str) -> LookupResult | None:
+               endpoint: str, cache_salt: str | None = None) -> LookupResult | None:
     """The lookup, waiting for the index lock on this thread for at most the event
     loop's bound; None when the lock stayed taken (wait for it off the loop)."""
     try:
-        return agg.lookup(token_ids, model=model, lora_name=lora_name, endpoint=endpoint,
-                          timeout=_LOOP_WAIT_S)
+        return agg.lookup(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt,
+                          endpoint=endpoint, timeout=_LOOP_WAIT_S)
     except IndexBusy:
         return None
 
 
 async def lookup(agg: Aggregator, token_ids, model: str | None, lora_name: str | None,
-                 endpoint: str) -> LookupResult:
-    result = lookup_now(agg, token_ids, model, lora_name, endpoint)
+                 endpoint: str, cache_salt: str | None = None) -> LookupResult:
+    result = lookup_now(agg, token_ids, model, lora_name, endpoint, cache_salt)
     if result is None:
-        return await run_in_threadpool(agg.lookup, token_ids, model, lora_name,
-                                       endpoint=endpoint)
+        return await run_in_threadpool(lambda: agg.lookup(
+            token_ids, model, lora_name, cache_salt=cache_salt, endpoint=endpoint))
     return result
 
 
@@ -61,16 +61,20 @@ async def prompt_token_ids(tokenizers: TokenizerRegistry, limit: int, *, max_cha
                            messages: Sequence[ChatMessage] | None = None,
                            options: ChatOptions | None = None) -> Sequence[int]:
     """The request's prompt as token ids (at most ``limit``); text is tokenized on the
-    thread pool, once it is known to have at most ``max_chars`` characters
-    (``max_prompt_chars``: a longer one is a 400 before any tokenizer memory is spent),
-    as vLLM would for a request with ``options`` (its ``tools``, ``add_special_tokens``...).
-    Raises :class:`~kvevents.text.prompt.InputError`."""
+    thread pool, once it is known to have no more characters than it is worth tokenizing
+    (``max_chars``, ``max_prompt_chars``, or fewer when ``limit`` tokens of the model's
+    tokenizer cannot hold more: :func:`~kvevents.text.limits.chars_limit`; a longer one
+    is a 400 before any tokenizer memory is spent), as vLLM would for a request with
+    ``options`` (its ``tools``, ``add_special_tokens``...). Raises
+    :class:`~kvevents.text.prompt.InputError` (400 for a prompt over either limit)."""
     field = chosen_input(token_ids, prompt, messages)
     if field == "token_ids":
         ids = token_ids
     else:
         text = prompt if field == "prompt" else messages
-        check_chars(text, max_chars, field)
+        tok = tokenizers.get(model)
+        bound, why = chars_limit(max_chars, limit, tok.max_token_chars() if tok else None)
+        check_chars(text, bound, field, why)
         encode = text_encoder(tokenizers, model, field, text, options)  # type: ignore[arg-type]
         ids = await run_in_threadpool(encode)
     check_length(ids, limit, field)  # type: ignore[arg-type]

@@ -14,6 +14,8 @@ Files::
     view.py        the narrow, read-only view of the aggregator the metrics read
     feed.py        the bounded event feed behind ``/v1/events`` (server-sent events)
     settings.py    typed settings: flags > environment > config file > defaults
+    cpus.py        the cores this process may use (``--workers auto``): CPU affinity
+                   and the cgroup's CPU quota
 
 Nothing is imported here: ``kvevents.service.settings`` loads without the service.
 """

@@ -116,6 +116,11 @@ class Aggregator:
         """Exceptions while applying, by (engine, kind)."""
         return self.writer.apply_errors
 
+    @property
+    def rank_mismatches(self) -> dict[str, int]:
+        """Batches of another data-parallel rank than the engine's, by engine."""
+        return self.writer.rank_mismatches
+
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
@@ -327,13 +332,15 @@ class Aggregator:
 
     def lookup(
         self, token_ids: list[int], model: str | None = None, lora_name: str | None = None,
-        *, endpoint: str = "lookup", blocking: bool = True, timeout: float = -1,
+        *, cache_salt: str | None = None, endpoint: str = "lookup", blocking: bool = True,
+        timeout: float = -1,
     ) -> LookupResult:
-        """Index lookup, timed into the metrics. ``blocking=False`` raises
+        """Index lookup, timed into the metrics (``cache_salt``: see
+        :meth:`~kvevents.index.PrefixIndex.lookup`; never a label). ``blocking=False`` raises
         :class:`~kvevents.index.IndexBusy` instead of waiting for the index lock, and so
         does a ``timeout`` (seconds) that passes before the lock is free."""
         t0 = time.perf_counter()
         result = self.index.lookup(token_ids, model=model, lora_name=lora_name,
-                                   blocking=blocking, timeout=timeout)
+                                   cache_salt=cache_salt, blocking=blocking, timeout=timeout)
         self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result, model)
         return result

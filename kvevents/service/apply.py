@@ -19,6 +19,15 @@ seq order on the subscriber's loop thread:
 * :class:`Resynced`: dropped likewise, after a failed apply or a continuity break.
 * :class:`GapDetected`: only shown on the feed (the subscriber replays it).
 
+The rank check: an engine that is one rank of a data-parallel server
+(``EngineSpec.dp_rank``) should only get batches stamped with that rank
+(``data_parallel_rank``, SGLang's ``attn_dp_rank``). One stamped with another rank is
+still applied (its blocks are on whatever publishes on that stream), and counted
+(:attr:`IndexWriter.rank_mismatches`, ``kvevents_dp_rank_mismatches_total``): ports that
+do not follow the rank + port rule, or ranks crossed in the configuration. The lane
+declines such a batch, so the Python path counts it; a batch without a rank is not
+checked. Cost: one attribute read per batch, none for an engine that is not a rank.
+
 Failure: an exception while applying a group leaves the engine's state unknown, so it
 is counted by kind (:attr:`apply_errors`), the engine is dropped and rebuilt from
 replay, this time event by event up to the group's last seq: one bad event costs only
@@ -73,6 +82,8 @@ class IndexWriter:
         # engine -> [seq of the batch that failed, resync seen]: while set, that engine's
         # batches up to the seq are applied event by event.
         self._careful: dict[str, list] = {}
+        # engine -> batches stamped with another data-parallel rank than the engine's.
+        self.rank_mismatches: dict[str, int] = {}
 
     # -- called by the service -----------------------------------------------------------
 
@@ -96,6 +107,8 @@ class IndexWriter:
             return None
         sink = self._sink(engine)
         sink.refresh()
+        rank = self.engines.dp_rank_of(engine)
+        sink.dp_rank = -1 if rank is None else rank  # (another rank's batch: declined)
         return sink.capsule
 
     def drop(self, engine: str, *, forget: bool = True) -> None:
@@ -109,6 +122,7 @@ class IndexWriter:
                 self._careful.pop(engine, None)
                 for key in [k for k in self.apply_errors if k[0] == engine]:
                     del self.apply_errors[key]
+                self.rank_mismatches.pop(engine, None)
 
     def capture(self) -> tuple[bytes, dict[str, tuple[int, float]]]:
         """The index state and the anchors it holds, taken together."""
@@ -173,8 +187,24 @@ class IndexWriter:
         self._careful[engine] = [last, False]
         self._resync(engine, f"apply failed at seq {first}-{last}")
 
+    def _check_ranks(self, engine: str, batches: list) -> None:
+        """Count ``batches`` stamped with another data-parallel rank than ``engine``'s
+        (see the module docstring)."""
+        rank = self.engines.dp_rank_of(engine)
+        if rank is None:
+            return
+        other = [b.data_parallel_rank for b in batches
+                 if b.data_parallel_rank is not None and b.data_parallel_rank != rank]
+        if other:
+            if engine not in self.rank_mismatches:
+                log.warning("engine %s is data-parallel rank %d, but its stream carries batches "
+                            "of rank %s: are its ports rank + port? (counted in "
+                            "kvevents_dp_rank_mismatches_total)", engine, rank, other[0])
+            self.rank_mismatches[engine] = self.rank_mismatches.get(engine, 0) + len(other)
+
     def _on_batches(self, sig: BatchesReceived, model: str | None) -> None:
         """Consecutive batches of one engine: applied, then observed, as one."""
+        self._check_ranks(sig.source, sig.batches)
         with self.lock:
             applied = self._apply_group(sig, model)
             if applied is not None:

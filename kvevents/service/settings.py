@@ -11,8 +11,10 @@ the config file's ``tokenizers`` is a table ``{MODEL = "PATH"}`` or a list of
 ``"MODEL=PATH"``.
 
 An engine (one publisher to follow) is written ``NAME=ENDPOINT[,replay=ENDPOINT][,model=M]
-[,topic=T][,bind=1]``, e.g. ``vllm-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558``,
-or in a config file as a table with :class:`EngineSpec`'s field names. In the environment,
+[,topic=T][,bind=1][,http=URL][,dp=N]``, e.g.
+``vllm-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558``, or in a config file as a
+table with :class:`EngineSpec`'s field names (and ``dp``). ``dp=N`` names a data-parallel
+server: N engines ``NAME-dp0``... (:meth:`EngineSpec.ranks`). In the environment,
 engines are separated by ``;`` or whitespace.
 
 Engines were called pods before: the old config keys ``pods`` / ``max_pods`` (and
@@ -177,8 +179,9 @@ class AggregatorSettings(BaseSettings):
                                      "OpenAI requests to it from the HTTP protocol, past the "
                                      "ASGI app's middleware (false: through the app)")
     workers: int = Field(1, ge=1, le=256, description="kvevents serve: processes serving the "
-                         "one port, each following every engine (SO_REUSEPORT); 'auto': one "
-                         "per core this process may use")
+                         "one port, each following every engine (SO_REUSEPORT); 'auto': the "
+                         "cores this process may use (its CPU affinity, or its cgroup's CPU "
+                         "quota rounded up where that is fewer)")
     event_feed_size: int = Field(2048, ge=1, description="events kept for /v1/events clients")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn log level")
@@ -321,10 +324,12 @@ class AggregatorSettings(BaseSettings):
     @field_validator("workers", mode="before")
     @classmethod
     def _parse_workers(cls, value: Any) -> Any:
-        # "auto": the cores the scheduler lets this process use (a cpuset or taskset
-        # narrows it; a container's CPU quota does not, so name a number there).
+        # "auto": the cores this process may use: its CPU affinity, or its cgroup's CPU
+        # quota (a container's CPU limit) rounded up where that is fewer (cpus.py).
         if isinstance(value, str) and value.strip().lower() == "auto":
-            return len(os.sched_getaffinity(0))
+            from kvevents.service.cpus import usable_cpus
+
+            return usable_cpus()
         return value
 
     @field_validator("discover_dns", "discover_dns_srv", mode="before")
@@ -374,10 +379,10 @@ class AggregatorSettings(BaseSettings):
             try:
                 if isinstance(item, EngineSpec):
                     out.append(item)
-                elif isinstance(item, str):
-                    out.append(EngineSpec.parse(item))
+                elif isinstance(item, str):  # (dp=N: the N engines of a data-parallel server)
+                    out.extend(EngineSpec.parse_all(item))
                 elif isinstance(item, Mapping):
-                    out.append(EngineSpec.from_table(item))
+                    out.extend(EngineSpec.from_table_all(item))
                 else:
                     raise ValueError(f"expected 'NAME=ENDPOINT,...' or a table, got {item!r}")
             except ValueError as exc:

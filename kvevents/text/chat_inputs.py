@@ -2,7 +2,8 @@
 builds it, so the rendered text (and so the ids) are the engine's.
 
 :class:`ChatOptions` holds the request fields besides ``messages`` that change the
-prompt: ``tools``, ``documents``, ``chat_template_kwargs``, ``add_generation_prompt``,
+prompt: ``tools`` (and ``tool_choice``, for an engine that drops the tools of a
+``"none"`` choice), ``documents``, ``chat_template_kwargs``, ``add_generation_prompt``,
 ``continue_final_message``, ``add_special_tokens``, ``reasoning_effort`` and a request's
 own ``chat_template``. :func:`conversation` rebuilds each message as vLLM does:
 
@@ -97,6 +98,9 @@ class ChatOptions(msgspec.Struct, omit_defaults=True):
     add_special_tokens: bool | None = None  # None: the API's default (chat: false)
     reasoning_effort: str | None = None
     chat_template: str | None = None
+    # "none", "auto", "required" or a named tool: changes the prompt only for an engine
+    # started with --exclude-tools-when-tool-choice-none (then "none" drops the tools)
+    tool_choice: str | dict[str, Any] | None = None
 
 
 #: A plain request's options (shared: never mutated).

@@ -1,13 +1,23 @@
-"""The prompt-size limit checked before tokenizing (``max_prompt_chars``).
+"""The prompt-size limits checked before tokenizing, for the gateway and the lookup API
+alike: one path, one status (400, naming the field) for a prompt over a limit.
 
 Why: a tokenizer's memory grows with the text it encodes (280 MB for a 4-million
-character prompt with the tests' byte-level tokenizer), so a prompt is measured in characters, and refused, before any
-tokenizer sees it. Counting is one step per string, never per character: a 4-million
-character prompt costs one ``len``.
+character prompt with the tests' byte-level tokenizer), so a prompt is measured in
+characters, and refused, before any tokenizer sees it. Counting is one step per string,
+never per character: a 4-million character prompt costs one ``len``.
+
+The characters worth tokenizing (:func:`chars_limit`) are ``max_prompt_chars``, or fewer
+when the tokens the prompt may have (``max_prompt_tokens``, and on the gateway the
+model's context, ``max_model_len`` from the engines' ``/v1/models``) could not hold
+more: a token of the model's tokenizer covers at most :func:`token_chars_bound`
+characters, so a longer text has more tokens than that and is refused as it would be
+after tokenizing, without tokenizing it. After tokenizing,
+:func:`~kvevents.text.prompt.check_length` is the same refusal (400) on the ids.
 
 Pure functions, no HTTP: the aggregator's ``/v1/lookup`` and ``/v1/route``
-(:func:`kvevents.routing.offloop.prompt_token_ids`) call :func:`check_chars`, and the
-gateway can count its parsed OpenAI bodies with :func:`text_chars`.
+(:func:`kvevents.routing.offloop.prompt_token_ids`) and the gateway
+(:meth:`kvevents.gateway.Gateway.handle`) call them; the gateway answers their
+:class:`~kvevents.text.prompt.InputError` in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -18,6 +28,9 @@ import msgspec
 from msgspec.structs import astuple
 
 from kvevents.text.prompt import InputError
+from kvevents.text.token_chars import token_chars_bound
+
+__all__ = ["chars_limit", "check_chars", "text_chars", "token_chars_bound"]
 
 
 def text_chars(value: object) -> int:
@@ -63,11 +76,24 @@ def _tag_chars(cls: type) -> int:
     return len(tag) if isinstance(tag, str) else 0
 
 
-def check_chars(value: object, limit: int, field: str) -> None:
+def chars_limit(max_chars: int, max_tokens: int | None = None, token_chars: int | None = None,
+                tokens_name: str = "max_prompt_tokens") -> tuple[int, str]:
+    """(the most characters of prompt text worth tokenizing, what sets it):
+    ``max_chars`` (``max_prompt_chars``), or ``max_tokens * token_chars`` when that is
+    less (``token_chars``: the tokenizer's :func:`token_chars_bound`, None: unknown, no
+    bound from tokens; ``tokens_name``: what sets ``max_tokens``, for the message)."""
+    if max_tokens is not None and token_chars is not None and max_tokens * token_chars < max_chars:
+        return max_tokens * token_chars, (f"{tokens_name} {max_tokens} tokens, of at most "
+                                          f"{token_chars} characters each")
+    return max_chars, "max_prompt_chars"
+
+
+def check_chars(value: object, limit: int, field: str, why: str = "max_prompt_chars",
+                chars: int | None = None) -> None:
     """Raise :class:`~kvevents.text.prompt.InputError` (400 on ``field``) when ``value``
-    has more than ``limit`` characters (:func:`text_chars`); the message gives both and
-    names the setting."""
-    chars = text_chars(value)
+    has more than ``limit`` characters (:func:`text_chars`, or ``chars`` when counted
+    already); the message gives both and what sets the limit (``why``, from
+    :func:`chars_limit`)."""
+    chars = text_chars(value) if chars is None else chars
     if chars > limit:
-        raise InputError(400, f"{field} has {chars} characters; the limit is {limit} "
-                              f"(max_prompt_chars)", field)
+        raise InputError(400, f"{field} has {chars} characters; the limit is {limit} ({why})", field)

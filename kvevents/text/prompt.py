@@ -68,5 +68,7 @@ def text_encoder(tokenizers: TokenizerRegistry, model: str | None, field: str,
 
 
 def check_length(ids: Sequence[int], limit: int, field: str) -> None:
+    """400 on ``field`` for more than ``limit`` tokens: the same status as a prompt
+    refused by its characters before tokenizing (:mod:`kvevents.text.limits`)."""
     if len(ids) > limit:
-        raise InputError(413, f"{field} has {len(ids)} tokens; the limit is {limit}", field)
+        raise InputError(400, f"{field} has {len(ids)} tokens; the limit is {limit}", field)

@@ -8,7 +8,8 @@ file, not at the first request. Read-only afterwards.
 PATH may carry the engine's own rendering settings, comma-separated after the
 directory, for an engine that does not render with the directory's template:
 ``chat_template=FILE`` (vLLM's ``--chat-template``: a file, or the template's text) and
-``content_format=string|openai`` (vLLM's ``--chat-template-content-format``), e.g.
+``content_format=string|openai`` (vLLM's ``--chat-template-content-format``) and
+``exclude_tools_when_tool_choice_none=true`` (vLLM's flag of that name), e.g.
 ``--tokenizer llama=/models/llama,chat_template=/models/tool_chat.jinja``.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from kvevents.text.tokenizer import TextTokenizer
 
@@ -24,13 +26,16 @@ class TokenizerLoadError(ValueError):
     """A configured tokenizer could not be loaded (message names model and file)."""
 
 
-_OPTIONS = {"chat_template": "chat_template", "content_format": "content_format"}
+_OPTIONS = {"chat_template": "chat_template", "content_format": "content_format",
+            "exclude_tools_when_tool_choice_none": "exclude_tools_when_tool_choice_none"}
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-def split_options(given: str) -> tuple[str, dict[str, str]]:
-    """``DIR[,chat_template=FILE][,content_format=FORMAT]`` -> (DIR, options). A part
-    that is not ``KEY=VALUE`` with a known key stays in the directory (a path may hold a
-    comma). Raises ValueError for a bad content format."""
+def split_options(given: str) -> tuple[str, dict[str, Any]]:
+    """``DIR[,chat_template=FILE][,content_format=FORMAT][,exclude_tools_when_tool_choice_none=BOOL]``
+    -> (DIR, options). A part that is not ``KEY=VALUE`` with a known key stays in the
+    directory (a path may hold a comma). Raises ValueError for a bad content format or
+    boolean."""
     parts = given.split(",")
     cut = len(parts)
     while cut > 1 and parts[cut - 1].partition("=")[0].strip() in _OPTIONS and "=" in parts[cut - 1]:
@@ -41,6 +46,11 @@ def split_options(given: str) -> tuple[str, dict[str, str]]:
         options[_OPTIONS[key.strip()]] = value.strip()
     if options.get("content_format", "auto") not in ("auto", "string", "openai"):
         raise ValueError(f"content_format must be auto, string or openai, got {options['content_format']!r}")
+    flag = options.get("exclude_tools_when_tool_choice_none")
+    if flag is not None:
+        if flag.lower() not in _BOOLEANS:
+            raise ValueError(f"exclude_tools_when_tool_choice_none must be true or false, got {flag!r}")
+        options["exclude_tools_when_tool_choice_none"] = _BOOLEANS[flag.lower()]
     return ",".join(parts[:cut]).strip(), options
 
 
@@ -80,6 +90,7 @@ class TokenizerRegistry:
             directory, options = split_options(given)
             try:
                 loaded.append(TextTokenizer(model, directory, cache_tokens, **options))
+                loaded[-1].max_token_chars()  # its vocabulary's pass now, not on a request
             except (ValueError, OSError) as exc:
                 raise TokenizerLoadError(f"tokenizer for model {model!r}: {exc}") from None
         return cls(loaded)

@@ -33,6 +33,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvevents.text.chat import ChatMessage, ChatTemplate, ChatTemplateError
 from kvevents.text.chat_inputs import ChatOptions
 from kvevents.text.segments import SegmentEncoder, batch_encoder
@@ -105,10 +107,13 @@ class TextTokenizer:
     """See the module docstring."""
 
     def __init__(self, model: str, directory: str | Path, cache_tokens: int = 2_000_000,
-                 chat_template: str | None = None, content_format: str = "auto") -> None:
+                 chat_template: str | None = None, content_format: str = "auto",
+                 exclude_tools_when_tool_choice_none: bool = False) -> None:
         """``chat_template``: the template the engine renders with when it is not the
         directory's (vLLM's ``--chat-template``: a file's path or the template itself);
-        ``content_format``: the engine's ``--chat-template-content-format``."""
+        ``content_format``: the engine's ``--chat-template-content-format``;
+        ``exclude_tools_when_tool_choice_none``: the engine's flag of that name (a request
+        with ``tool_choice: "none"`` is rendered without its tools)."""
         from tokenizers import Tokenizer
 
         self.model = model
@@ -134,6 +139,7 @@ class TextTokenizer:
         special = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         self._special = special
         self._content_format = content_format
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         source = _engine_template(chat_template) if chat_template else _template_source(self.directory, config)
         try:
             self.chat = ChatTemplate(source, special, content_format) if source else None
@@ -239,10 +245,17 @@ class TextTokenizer:
             raise ChatTemplateError(f"the tokenizer of model {self.model!r} has no chat template")
         return self.chat
 
+    def drops_tools(self, tool_choice: object) -> bool:
+        """Whether the engine renders a request with this ``tool_choice`` without its
+        tools (vLLM: ``"none"`` under ``--exclude-tools-when-tool-choice-none``)."""
+        return tool_choice == "none" and self.exclude_tools_when_tool_choice_none
+
     def render_chat(self, messages: list[ChatMessage], options: ChatOptions | None = None) -> str:
         """The prompt text of a conversation, as vLLM renders it for a request with
         ``options`` (default: a plain request). Raises :class:`ChatTemplateError`
         (also when the tokenizer has no chat template)."""
+        if options is not None and options.tools and self.drops_tools(options.tool_choice):
+            options = msgspec.structs.replace(options, tools=None)
         return self.template_for(options).render(messages, options)
 
     def encode_chat(self, messages: list[ChatMessage], options: ChatOptions | None = None) -> list[int]:
@@ -267,3 +280,12 @@ class TextTokenizer:
 
     def cache_stats(self) -> dict[str, int]:
         return self._pieces.stats()
+
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token stands for (None: no bound; see
+        :func:`~kvevents.text.limits.token_chars_bound`), computed at the first call."""
+        got = self.__dict__.get("_max_token_chars", False)
+        if got is False:
+            from kvevents.text.token_chars import token_chars_bound
+            got = self._max_token_chars = token_chars_bound(self._tok)
+        return got

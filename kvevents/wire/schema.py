@@ -73,6 +73,9 @@ class BlockStored(KVCacheEvent, tag="BlockStored"):
     locality: Any = None
     ownership: Any = None
     session_id: str | None = None
+    # SGLang: the salt of the request that stored the blocks (on every event of a salted
+    # sequence). vLLM sends its salt inside the first block's extra key instead.
+    cache_salt: str | None = None
 
 
 class BlockRemoved(KVCacheEvent, tag="BlockRemoved"):
@@ -102,13 +105,15 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def _variant(cls: type, name: str, *, types: dict[str, Any] | None = None,
-             required: tuple[str, ...] = ()) -> type:
+             required: tuple[str, ...] = (), upto: str | None = None) -> type:
     """A struct with ``cls``'s fields, tag and encoding, some field types replaced
-    (``types``) or some defaulted fields made required (``required``): the variants
-    below are derived, so the wire schema is written once, in the classes above."""
+    (``types``), some defaulted fields made required (``required``), or the fields
+    after ``upto`` left out: the variants below are derived, so the wire schema is
+    written once, in the classes above."""
     types = types or {}
     fields: list[tuple[Any, ...]] = []
-    for f in msgspec.structs.fields(cls):
+    names = [f.name for f in msgspec.structs.fields(cls)]
+    for f in msgspec.structs.fields(cls)[:names.index(upto) + 1 if upto else None]:
         typ = types.get(f.name, f.type)
         fields.append((f.name, typ) if f.required or f.name in required
                       else (f.name, typ, f.default))
@@ -127,6 +132,12 @@ def _variant(cls: type, name: str, *, types: dict[str, Any] | None = None,
 
 _WireBlockStored = _variant(BlockStored, "_WireBlockStored",
                             required=("lora_id", "medium", "lora_name"))
+# vLLM's fields only (SGLang's cache_salt left out): vLLM writes a fixmap of at most 15
+# entries, and a struct of 16 fields or more makes msgspec write a map16 header instead,
+# the same map in other bytes. Used for every event without a salt.
+_VllmBlockStored = _variant(BlockStored, "_VllmBlockStored",
+                            required=("lora_id", "medium", "lora_name"), upto="session_id")
+_VLLM_FIELDS = len(msgspec.structs.fields(_VllmBlockStored))
 _WireBlockRemoved = _variant(BlockRemoved, "_WireBlockRemoved", required=("medium",))
 
 
@@ -362,6 +373,8 @@ class BatchEncoder:
 
 def _to_wire(ev: Event) -> Any:
     wire = _TO_WIRE.get(type(ev))
+    if wire is _WireBlockStored and ev.cache_salt is None:
+        return _VllmBlockStored(*msgspec.structs.astuple(ev)[:_VLLM_FIELDS])
     return ev if wire is None else wire(*msgspec.structs.astuple(ev))
 
 

@@ -111,7 +111,7 @@ def test_initial_list_emits_only_running_ready_pods(api, kubeconfig):
         # annotations over the flag defaults: ports, no replay, two ranks on events + r
         assert got["vllm-1-dp1"] == EngineSpec(name="vllm-1-dp1", endpoint="tcp://127.0.0.3:6558",
                                                replay_endpoint=None, model="default-model",
-                                               http="http://127.0.0.3:9000")
+                                               http="http://127.0.0.3:9000", dp_rank=1)
         assert got["vllm-1-dp0"].endpoint == "tcp://127.0.0.3:6557"
         assert wait_until(lambda: api.watch_requests())
     assert source.status.first_round_done and source.status.engines == 3 and source.status.errors == 0

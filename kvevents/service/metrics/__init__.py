@@ -48,6 +48,7 @@ kvevents_lookup_matched_tokens_total        best engine's matched tokens {api, m
 kvevents_lookup_tier_tokens_total           best engine's leading run per tier {api, ..., tier}
 kvevents_refused_events_total               events the index refused {engine, model_name, reason}
 kvevents_apply_errors_total                 exceptions while applying {engine, model_name, kind}
+kvevents_dp_rank_mismatches_total           batches of another data-parallel rank than the engine's {engine, ...}
 kvevents_ingest_heartbeat_timestamp_seconds wall time of the ingest loop's last iteration
 kvevents_ingest_restarts_total              ingest thread restarts by the watchdog
 kvevents_ingest_loop_errors_total           ingest loop iterations that raised (retried)

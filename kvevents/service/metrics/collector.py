@@ -176,14 +176,22 @@ def ingest_recovery(stats: Mapping[str, Any], model: Mapping[str, str]) -> list[
 
 def apply_errors(view: ServiceView, model: Mapping[str, str]) -> list[Metric]:
     """``kvevents_apply_errors`` {engine, model_name, kind}: exceptions while applying,
-    as the aggregator counted them."""
+    as the aggregator counted them; ``kvevents_dp_rank_mismatches`` {engine, model_name}:
+    batches of another rank (:mod:`kvevents.service.apply`)."""
     fam = CounterMetricFamily(
         "kvevents_apply_errors", "Exceptions while applying batches or events",
         labels=[*ENGINE_LABELS, "kind"])
     for (engine, kind), n in list(view.apply_errors.items()):
         if engine in model:
             fam.add_metric([engine, model[engine], kind], n)
-    return [fam]
+    ranks = CounterMetricFamily(
+        "kvevents_dp_rank_mismatches", "Batches stamped with another data-parallel rank "
+        "(data_parallel_rank, SGLang's attn_dp_rank) than the rank the engine is of its "
+        "server (dp=); applied all the same", labels=ENGINE_LABELS)
+    for engine, n in list(getattr(view, "rank_mismatches", {}).items()):
+        if engine in model:
+            ranks.add_metric([engine, model[engine]], n)
+    return [fam, ranks]
 
 
 def refused_events(counters: Any, model: Mapping[str, str]) -> list[Metric]:
