@@ -67,7 +67,7 @@ as the OpenAI standard writes it; ``openai``: completions), with the dataset of
 ``--vllm-bench-args`` (default ``prefix_repetition``: 12 shared 480-token prefixes, 156
 requests), one run per router (``ours`` or a vllm-router policy; ``ours_x2`` would send it
 all to one replica). ``--template string`` gives the engines and the gateway a chat
-template of the "string" content format (:data:`STRING_TEMPLATE`, as most model
+template of the "string" content format (:data:`kvevents.demo.chat_templates.STRING`, as most model
 families' are) instead of the model's own, which iterates over content parts. The
 table then adds the gateway's predicted against the engines' reported cached tokens.
 
@@ -99,8 +99,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import httpx  # noqa: E402
 
-from chat_workloads import (AGENT_MAX_PROMPT, MAX_PROMPT, ChatRequest, build_agent_workload,  # noqa: E402,F401
-                            build_tenant_workload, build_workload, endless_cache_hits)
+from chat_workloads import (ChatRequest, build_agent_workload, build_tenant_workload,  # noqa: E402
+                            build_workload, endless_cache_hits)
 from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
 
 from kvevents.demo import chat_templates  # noqa: E402
@@ -476,7 +476,6 @@ def flush(engine_urls: list[str]) -> None:
 #: A chat template of the "string" content format (it prints each message's content as
 #: one string, as most model families' do): what ``--template string`` gives the engines'
 #: and the gateway's tokenizer directory.
-STRING_TEMPLATE = chat_templates.STRING
 TEMPLATES = {"string": chat_templates.STRING, "tools": chat_templates.TOOLS}
 
 
@@ -785,7 +784,7 @@ def main() -> None:
                     help="more `kvevents serve` flags for ours, e.g. \"--route-balance-weight 1\"")
     ap.add_argument("--template", choices=("model", *TEMPLATES), default=None,
                     help="the chat template in the engines' and the gateway's tokenizer: the model's "
-                         "own (iterates over content parts), a string-format one (STRING_TEMPLATE) or one "
+                         "own (iterates over content parts), a string-format one (chat_templates.STRING) or one "
                          "that prints tools in the system turn (default: tools for --workload agent, "
                          "else model)")
     ap.add_argument("--workload", choices=("chats", "agent", "tenants"), default="chats",

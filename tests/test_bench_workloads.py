@@ -9,6 +9,7 @@ chat template); skips without it.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,8 +30,6 @@ def model_dirs(tmp_path_factory):
 
     base = make_tiny_model(tmp_path_factory.mktemp("workloads") / "tiny", tokenizer=True)
     tools = tmp_path_factory.mktemp("workloads-tools") / "tiny"
-    import shutil
-
     shutil.copytree(base, tools)
     (tools / "chat_template.jinja").write_text(TOOLS)
     return base, tools
