@@ -340,7 +340,8 @@ class Ours:
     """One ``kvevents serve`` (aggregator + gateway) for the whole benchmark."""
 
     def __init__(self, fleet, events: list[tuple[int, int]], model_dir: Path, workdir: Path,
-                 tag: str = "", root: Path = ROOT, extra: list[str] | None = None) -> None:
+                 tag: str = "", root: Path = ROOT, extra: list[str] | None = None,
+                 roles: list[str] | None = None) -> None:
         from kvevents.demo.fleet import free_port
 
         self.root = root  # the checkout it runs from (--ours-root: another version)
@@ -352,9 +353,10 @@ class Ours:
                     "--port", str(self.port), "--tokenizer", f"{MODEL}={model_dir}",
                     "--log-level", "warning", *(extra or [])]
         self.names = [f"e{i}" for i in range(len(fleet))]
-        for name, server, (live, replay) in zip(self.names, fleet.servers, events):
+        for i, (name, server, (live, replay)) in enumerate(zip(self.names, fleet.servers, events)):
+            role = f",role={roles[i]}" if roles else ""  # (prefill/decode: bench_pd.py)
             self.cmd += ["--endpoint", f"{name}=tcp://127.0.0.1:{live},replay=tcp://127.0.0.1:{replay},"
-                                       f"model={MODEL},http={server.url}"]
+                                       f"model={MODEL},http={server.url}{role}"]
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:

@@ -18,8 +18,9 @@ Modules: ``config`` (OffloadConfig), ``kv_layout`` (KV tensor shapes, allocation
 ``kv_pattern`` (deterministic KV writes and checks for a model-free engine), ``step``
 (what flows between the roles per step), ``base`` (OffloadCore), ``offload/`` (manager,
 policies), ``transfer/`` (copy handlers), ``events_tracker``, ``planner`` / ``worker``
-(the two roles of the core), ``core``, ``multi``, ``vllm`` (imports vLLM; nothing else
-here does).
+(the two roles of the core), ``core``, ``multi``, ``vllm`` and ``shared_folder`` (vLLM's
+``ExampleConnector`` with folders that appear whole, for prefill/decode pairs: the two
+that import vLLM; nothing else here does).
 """
 
 from connector.base import OffloadCore

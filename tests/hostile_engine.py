@@ -14,7 +14,10 @@ resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``POST /toke
 (a chat's ids, ``transformers``' own) when started with a tokenizer. ``GET /stats``:
 ``{"open", "peak", "started", "finished", "aborted"}`` (``/stats/reset``: the same, then
 the peak starts again from the streams open now). Each completion request's
-``X-data-parallel-rank`` header is recorded in ``stats.ranks``.
+``X-data-parallel-rank`` header is recorded in ``stats.ranks``, its body in
+``stats.bodies``. A whole answer to a request with ``kv_transfer_params``
+``{"do_remote_decode": true}`` (a disaggregated request's prefill hop) returns
+``kv_transfer_params`` shaped as vLLM's NIXL connector returns them.
 
 Several engines (one per port) run on one event loop and are counted together. Run in
 a thread (:class:`EngineThread`, for tests) or as a process (``python
@@ -40,6 +43,8 @@ class Stats:
         self.tokenized = 0  # /tokenize answers
         # Each completion request's X-data-parallel-rank header, in order (None: absent).
         self.ranks: list[bytes | None] = []
+        self.bodies: list[dict] = []  # each completion request's body, in order
+        self.transports: set = set()  # open connections (closed when serving stops)
         # (messages dicts, add_generation_prompt) -> ids: set by EngineThread(tokenizer=...)
         self.tokenize = None
         # GET /v1/models' answer (vLLM's carries max_model_len: EngineThread(max_model_len=...))
@@ -64,6 +69,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.stats.transports.add(transport)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -72,6 +78,7 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
     def connection_lost(self, exc) -> None:
+        self.stats.transports.discard(self.transport)
         if self.timer is not None:
             self.timer.cancel()
         if self.streaming:
@@ -129,6 +136,7 @@ class _Conn(asyncio.Protocol):
                 doc = json.loads(b"".join(self.body))
             except ValueError:
                 doc = {}
+            self.stats.bodies.append(doc)
             self._answer(doc if isinstance(doc, dict) else {})
         else:
             self._reply(404, b"application/json", b'{"error":"not found"}')
@@ -147,10 +155,16 @@ class _Conn(asyncio.Protocol):
                                         "choices": [{"index": 0, "delta": {"content": text}}]}
                                        ).encode() + b"\n\n"
         if not doc.get("stream"):
-            body = json.dumps({"id": "cmpl-1", "object": "chat.completion", "choices": [
+            answer = {"id": "cmpl-1", "object": "chat.completion", "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": text * n}}],
                 "usage": {"prompt_tokens": 10, "completion_tokens": n, "total_tokens": 10 + n,
-                          "prompt_tokens_details": {"cached_tokens": 0}}}).encode()
+                          "prompt_tokens_details": {"cached_tokens": 0}}}
+            params = doc.get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("do_remote_decode"):
+                answer["kv_transfer_params"] = {
+                    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [7, 8],
+                    "remote_engine_id": "fake-prefill", "remote_host": "127.0.0.1", "remote_port": 5600}
+            body = json.dumps(answer).encode()
             self._reply(200, b"application/json", body)
             return
         self.stats.open += 1
@@ -205,6 +219,8 @@ async def serve(ports: list[int], stats: Stats, started: threading.Event | None 
     finally:
         for server in servers:
             server.close()
+        for transport in list(stats.transports):  # as a process that ends closes its sockets
+            transport.close()
 
 
 def models_answer(max_model_len: int) -> bytes:
@@ -254,7 +270,8 @@ class EngineThread:
         asyncio.run(main())
 
     def close(self) -> None:
-        if self._loop is not None and self._stop is not None:
+        """Stop serving (its ports then refuse connections); idempotent."""
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(5)
 

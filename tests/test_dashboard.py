@@ -25,6 +25,8 @@ Prometheus scraping a real aggregator and a real simulated engine, and returns d
 
 from __future__ import annotations
 
+import dataclasses
+
 import http.server
 import json
 import os
@@ -78,6 +80,11 @@ _GATEWAY_PARTIAL_LABELS = {
     # Closed by the server's limits (reason="header_timeout", ...): before any routing,
     # so neither an engine's nor a model's.
     "kvevents_gateway_connections_closed_total": set(),
+    # A disaggregated model's decision per request (reason="disaggregated", ...):
+    # across models, like the retries; its hop times are per model.
+    "kvevents_gateway_pd_decisions_total": set(),
+    "kvevents_gateway_pd_prefill_seconds": {"model_name"},
+    "kvevents_gateway_pd_decode_ttft_seconds": {"model_name"},
 }
 
 
@@ -510,7 +517,11 @@ def test_every_query_returns_data_from_prometheus(dash, tmp_path):
     sim = SimOpenAIEngine("llama", tmp_path / "engine-1.log")
     settings = AggregatorSettings(engines=(EngineSpec(
         "engine-0", f"tcp://127.0.0.1:{eng.live}", replay_endpoint=f"tcp://127.0.0.1:{eng.replay}",
-        model="llama", http=failing.url), sim.spec("engine-1")))
+        model="llama", http=failing.url), sim.spec("engine-1"),
+        # The simulated engine as a prefill engine too: its requests take two hops
+        # (the disaggregation row), the second on engine-1 (or engine-0, which fails).
+        dataclasses.replace(sim.spec("engine-p"), role="prefill")),
+        pd_skip_uncached_tokens=0, pd_skip_cached_share=1.0)
     all_queries = queries(dash)
     with sim, ServerThread(create_app(settings)) as srv, simulated_engine() as engine_registry:
         engine_port = free_port()

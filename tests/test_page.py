@@ -168,7 +168,7 @@ READ_GATEWAY = """(() => {
     shown: !section.hidden, routes_seen: Number(section.dataset.routes),
     engines: [...document.querySelectorAll('#gateway tbody tr[data-engine]')].map((tr) => {
       const f = (n) => tr.querySelector(`[data-field="${n}"]`).dataset.value;
-      return {engine: tr.dataset.engine, reachable: tr.dataset.reachable === '1',
+      return {engine: tr.dataset.engine, reachable: tr.dataset.reachable === '1', role: tr.dataset.role,
               inflight: Number(f('inflight')), kv_usage: Number(f('kv_usage')),
               last_error: f('last_error'), accuracy: f('accuracy'), text: tr.innerText};
     }),
@@ -194,8 +194,9 @@ def test_live_page_shows_the_gateway(tmp_path):
     # (the simulated engine computes a whole answer before its first chunk, so a long one
     # unpaced took a slow machine past the client's timeout).
     sims = [SimOpenAIEngine("sim", tmp_path / f"engine-{i}.log", token_interval=0.01) for i in range(2)]
+    # (a decode engine, for the page's role; without prefill engines it is any engine)
     dead = EngineSpec("engine-2", f"tcp://127.0.0.1:{free_port()}", model="sim",
-                      http=f"http://127.0.0.1:{free_port()}")
+                      http=f"http://127.0.0.1:{free_port()}", role="decode")
     settings = AggregatorSettings(engines=(sims[0].spec("engine-0"), sims[1].spec("engine-1"), dead))
     try:
         with ServerThread(create_app(settings)) as srv:
@@ -224,6 +225,8 @@ def test_live_page_shows_the_gateway(tmp_path):
     assert sorted(rows) == ["engine-0", "engine-1", "engine-2"]
     assert rows["engine-0"]["reachable"] and rows["engine-1"]["reachable"]
     assert not rows["engine-2"]["reachable"] and "unreachable" in rows["engine-2"]["text"]
+    assert rows["engine-2"]["role"] == "decode" and "decode" in rows["engine-2"]["text"]
+    assert rows["engine-0"]["role"] == "both" and "both" not in rows["engine-0"]["text"]
     assert rows["engine-2"]["last_error"] == api["engine-2"]["last_error"] != ""
     assert all(rows[n]["inflight"] == (1 if n == busy else 0) for n in ("engine-0", "engine-1"))
     # Routing accuracy per engine: what the engines reported over what the index predicted.

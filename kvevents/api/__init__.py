@@ -63,7 +63,9 @@ def create_app(
             busy_poll_interval_s=settings.engine_poll_busy_interval_s,
             max_prompt_tokens=settings.max_prompt_tokens, max_prompt_chars=settings.max_prompt_chars,
             token_parity_sample_rate=settings.token_parity_sample_rate,
-            token_parity_threshold=settings.token_parity_threshold)
+            token_parity_threshold=settings.token_parity_threshold,
+            pd_skip_cached_share=settings.pd_skip_cached_share,
+            pd_skip_uncached_tokens=settings.pd_skip_uncached_tokens)
         await app.state.gateway.start()
         try:
             yield

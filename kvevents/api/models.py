@@ -75,6 +75,9 @@ class EngineCreate(_Strict):
                                 "data-parallel server (its endpoint that rank's): the gateway "
                                 "sends it X-data-parallel-rank, and batches of another rank are "
                                 "counted. Post one engine per rank.")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="What the gateway sends it: whole requests (both), the prefill hop "
+                            "of a disaggregated request (prefill), or its decode hop (decode).")
 
 
 class TokenParityView(BaseModel):
@@ -113,6 +116,8 @@ class EngineOut(BaseModel):
     model: str | None
     http: str | None = None
     dp_rank: int | None = Field(None, description="Its rank of a data-parallel server (dp=).")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="What the gateway sends it (role=): both, prefill or decode.")
     gateway: GatewayView | None = Field(None, description="Present for engines with an OpenAI "
                                                           "server (http).")
     status: Literal["live", "stale", "down", "replaying"]

@@ -53,7 +53,7 @@ def add_engine(body: EngineCreate, agg: Aggregator = Depends(get_aggregator)) ->
     try:
         spec = EngineSpec(name=body.name, endpoint=body.endpoint,
                           replay_endpoint=body.replay_endpoint, model=body.model, topic=body.topic,
-                          http=body.http, dp_rank=body.dp_rank)
+                          http=body.http, dp_rank=body.dp_rank, role=body.role)
     except ValueError as exc:
         raise ApiError(422, str(exc), getattr(exc, "field", "endpoint")) from None
     try:
@@ -63,7 +63,8 @@ def add_engine(body: EngineCreate, agg: Aggregator = Depends(get_aggregator)) ->
     except EngineBudgetError as exc:  # out of sockets/files for another engine
         raise ApiError(409, str(exc), "name") from None
     return {"name": spec.name, "endpoint": spec.endpoint, "replay_endpoint": spec.replay_endpoint,
-            "model": spec.model, "topic": spec.topic, "http": spec.http, "dp_rank": spec.dp_rank}
+            "model": spec.model, "topic": spec.topic, "http": spec.http, "dp_rank": spec.dp_rank,
+            "role": spec.role}
 
 
 def delete_engine(name: str, agg: Aggregator = Depends(get_aggregator)) -> Response:

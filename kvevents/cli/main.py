@@ -90,7 +90,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
                    help="a publisher to follow (repeatable); options: replay=, model=, topic=, "
                         "bind=1, http= (its OpenAI server: the gateway routes to it), dp=N (a "
-                        "data-parallel server: N engines NAME-dp0..., rank r on the ports + r) "
+                        "data-parallel server: N engines NAME-dp0..., rank r on the ports + r), "
+                        "role=prefill|decode|both (prefill/decode disaggregation; default both) "
                         "(default: none; more can be added with POST /v1/engines)")
     p.add_argument("--host", default=None,
                    help="listen address (default: {default})")
@@ -164,15 +165,25 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-parity-threshold", type=int, default=None, metavar="N",
                    help="gateway: mismatches in a row after which a model is routed with the "
                         "engines' /tokenize ids until a check matches (default: {default})")
+    p.add_argument("--pd-skip-cached-share", type=float, default=None, metavar="SHARE",
+                   help="gateway, prefill/decode disaggregation (engines with role=prefill): "
+                        "no prefill hop when the chosen decode engine holds at least this "
+                        "share of the prompt (default: {default})")
+    p.add_argument("--pd-skip-uncached-tokens", type=int, default=None, metavar="N",
+                   help="likewise when the part of the prompt it lacks is shorter than N "
+                        "tokens; 0: never (default: {default})")
     d = p.add_argument_group(
         "discovery", "find engines as the fleet scales (any combination, with --endpoint)")
-    d.add_argument("--discover-dns", action="append", default=None, metavar="NAME",
-                   help="a DNS name whose A/AAAA records are engines, e.g. a headless Service "
-                        "(repeatable; env KVEVENTS_DISCOVER_DNS, ';'-separated; default: none)")
-    d.add_argument("--discover-dns-srv", action="append", default=None, metavar="NAME",
+    d.add_argument("--discover-dns", action="append", default=None, metavar="[ROLE=]NAME",
+                   help="a DNS name whose A/AAAA records are engines, e.g. a headless Service; "
+                        "ROLE=NAME: a pool of prefill or decode engines, e.g. "
+                        "prefill=vllm-prefill.NAMESPACE.svc.cluster.local (repeatable; env "
+                        "KVEVENTS_DISCOVER_DNS, ';'-separated; default: none)")
+    d.add_argument("--discover-dns-srv", action="append", default=None, metavar="[ROLE=]NAME",
                    help="a DNS SRV name whose records are engines, host and events port, e.g. "
-                        "_kv-events._tcp.vllm.NAMESPACE.svc.cluster.local (repeatable; env "
-                        "KVEVENTS_DISCOVER_DNS_SRV, ';'-separated; default: none)")
+                        "_kv-events._tcp.vllm.NAMESPACE.svc.cluster.local; ROLE= as for "
+                        "--discover-dns (repeatable; env KVEVENTS_DISCOVER_DNS_SRV, "
+                        "';'-separated; default: none)")
     d.add_argument("--discover-srv-replay-name", default=None, metavar="PORTNAME",
                    help="with --discover-dns-srv: each engine's replay port from the SRV record "
                         "_PORTNAME._tcp of the same domain and target, e.g. kv-replay "
@@ -269,6 +280,8 @@ def _serve(args: argparse.Namespace) -> int:
             engine_poll_busy_interval_s=args.engine_poll_busy_interval_s,
             token_parity_sample_rate=args.token_parity_sample_rate,
             token_parity_threshold=args.token_parity_threshold,
+            pd_skip_cached_share=args.pd_skip_cached_share,
+            pd_skip_uncached_tokens=args.pd_skip_uncached_tokens,
             route_load_weight=args.route_load_weight, route_max_imbalance=args.route_max_imbalance,
             route_affinity_weight=args.route_affinity_weight,
             route_balance_weight=args.route_balance_weight,

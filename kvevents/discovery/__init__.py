@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvevents.discovery.manager import Discovery
 from kvevents.discovery.source import Source, SourceStatus
-from kvevents.discovery.targets import PortPlan, engine_specs, name_for_address
+from kvevents.discovery.targets import PortPlan, engine_specs, name_for_address, split_role
 
 if TYPE_CHECKING:
     from kvevents.service.settings import AggregatorSettings
@@ -52,6 +52,11 @@ def build_sources(settings: AggregatorSettings) -> list[Source]:
         raise DiscoveryConfigError(str(exc)) from None
 
 
+def _pools(entries: tuple[str, ...], flag: str) -> list[tuple[str, str]]:
+    """Each distinct ``[ROLE=]NAME`` as ``(NAME, ROLE)`` (:func:`~.targets.split_role`)."""
+    return [split_role(entry, flag) for entry in dict.fromkeys(entries)]
+
+
 def _build(settings: AggregatorSettings) -> list[Source]:
     ports = port_plan(settings)
     sources: list[Source] = []
@@ -60,8 +65,8 @@ def _build(settings: AggregatorSettings) -> list[Source]:
 
         sources += [DnsSource(name, ports, model=settings.discover_model,
                               interval_s=settings.discover_interval_s,
-                              server=settings.dns_server, resolv_conf=settings.dns_resolv_conf)
-                    for name in dict.fromkeys(settings.discover_dns)]
+                              server=settings.dns_server, resolv_conf=settings.dns_resolv_conf, role=role)
+                    for name, role in _pools(settings.discover_dns, "discover-dns")]
     if settings.discover_dns_srv:
         from kvevents.discovery.dns_srv import DnsSrvSource
 
@@ -69,8 +74,8 @@ def _build(settings: AggregatorSettings) -> list[Source]:
                                  interval_s=settings.discover_interval_s,
                                  server=settings.dns_server, resolv_conf=settings.dns_resolv_conf,
                                  replay_name=settings.discover_srv_replay_name,
-                                 http_name=settings.discover_srv_http_name)
-                    for name in dict.fromkeys(settings.discover_dns_srv)]
+                                 http_name=settings.discover_srv_http_name, role=role)
+                    for name, role in _pools(settings.discover_dns_srv, "discover-dns-srv")]
     elif settings.discover_srv_replay_name or settings.discover_srv_http_name:
         raise ValueError("discover-srv-replay-name / discover-srv-http-name: need --discover-dns-srv")
     if settings.discover_k8s_selector:

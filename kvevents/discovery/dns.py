@@ -84,13 +84,15 @@ class DnsSource(Source):
 
     ``interval_s`` None: rounds follow the records' TTL. ``server``: ask this one
     ``HOST[:PORT]`` only; None: the system resolver as read from ``resolv_conf`` and
-    ``hosts_file`` (re-read every round). ``timeout_s``: per question and server."""
+    ``hosts_file`` (re-read every round). ``timeout_s``: per question and server.
+    ``role``: the gateway role of the engines found (``--discover-dns ROLE=NAME``)."""
 
     kind = "dns"
 
     def __init__(self, name: str, ports: PortPlan, *, model: str | None = None,
                  interval_s: float | None = None, server: str | None = None, timeout_s: float = 1.0,
-                 resolv_conf: str = DEFAULT_RESOLV_CONF, hosts_file: str = DEFAULT_HOSTS) -> None:
+                 resolv_conf: str = DEFAULT_RESOLV_CONF, hosts_file: str = DEFAULT_HOSTS,
+                 role: str = "both") -> None:
         super().__init__()
         check_name(name, "discover-dns")
         if interval_s is not None and not (isinstance(interval_s, (int, float))
@@ -99,6 +101,7 @@ class DnsSource(Source):
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"dns-timeout: must be a number of seconds > 0, got {timeout_s!r}")
         self.name, self.ports, self.model = name, ports, model
+        self.role = role  # the gateway role of every engine found (one name per pool)
         self.interval_s = None if interval_s is None else float(interval_s)
         self.timeout_s, self.server = float(timeout_s), server
         self.resolv_conf, self.hosts_file = resolv_conf, hosts_file
@@ -112,7 +115,7 @@ class DnsSource(Source):
         self._outage = False  # the last round failed (logged once per outage)
 
     def describe(self) -> dict:
-        out = {"kind": self.kind, "name": self.name, "server": self.server or "system",
+        out = {"kind": self.kind, "name": self.name, "role": self.role, "server": self.server or "system",
                "interval_s": self.interval_s,
                "ports": {"events": self.ports.events, "replay": self.ports.replay,
                          "http": self.ports.http, "dp_size": self.ports.dp_size}}
@@ -188,7 +191,8 @@ class DnsSource(Source):
         skipped = []
         for ip in map(str, ips):
             try:
-                specs.extend(engine_specs(name_for_address(self._prefix, ip), ip, self.ports, self.model))
+                specs.extend(engine_specs(name_for_address(self._prefix, ip), ip, self.ports, self.model,
+                                          self.role))
             except ValueError as exc:  # one odd address must not hide the others
                 skipped.append(f"{ip}: {exc}")
         self.status.extra["skipped"] = skipped

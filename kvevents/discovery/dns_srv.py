@@ -176,7 +176,7 @@ class DnsSrvSource(DnsSource):
             try:
                 plan = PortPlan(events=port, replay=replay, http=http, dp_size=self.ports.dp_size)
                 specs.extend(engine_specs(f"{name_for_address(self._prefix, address)}:{port}", address,
-                                          plan, self.model))
+                                          plan, self.model, self.role))
             except ValueError as exc:  # one odd record must not hide the others
                 skipped.append(f"{target}:{port}: {exc}")
         self.status.extra["skipped"] = skipped

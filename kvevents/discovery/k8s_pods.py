@@ -16,7 +16,11 @@ Per-pod overrides of the source's port plan (:data:`ANNOTATIONS`)::
     kvevents.io/dp-size: "2"            # data-parallel ranks: engines POD-dp0, POD-dp1
     kvevents.io/model: "meta-llama/Llama-3.1-8B-Instruct"
 
-A bad value raises ``ValueError`` naming the annotation; the source skips that pod.
+A pod's gateway role (prefill/decode disaggregation) is a label, so that the pools are
+selectors too: ``kvevents.io/role: prefill`` (or ``decode``, ``both``; llm-d's
+``llm-d.ai/role`` is read where ours is absent). None: ``both``.
+
+A bad value raises ``ValueError`` naming the annotation or label; the source skips that pod.
 """
 
 from __future__ import annotations
@@ -27,14 +31,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvevents.discovery.targets import PortPlan, engine_specs
-from kvevents.engines.spec import EngineSpec
+from kvevents.engines.spec import ROLES, EngineSpec
 
-__all__ = ["ANNOTATIONS", "annotated_plan", "parse_selector", "pod_ready", "pod_specs"]
+__all__ = ["ANNOTATIONS", "ROLE_LABELS", "annotated_plan", "parse_selector", "pod_ready", "pod_role",
+           "pod_specs"]
 
 _PREFIX = "kvevents.io/"
 EVENTS_PORT, REPLAY_PORT, HTTP_PORT = _PREFIX + "events-port", _PREFIX + "replay-port", _PREFIX + "http-port"
 DP_SIZE, MODEL = _PREFIX + "dp-size", _PREFIX + "model"
 ANNOTATIONS = (EVENTS_PORT, REPLAY_PORT, HTTP_PORT, DP_SIZE, MODEL)
+#: Labels that give a pod's role, ours first.
+ROLE_LABELS = (_PREFIX + "role", "llm-d.ai/role")
 
 
 def pod_ready(pod: Any) -> bool:
@@ -81,7 +88,18 @@ def pod_specs(pod: Any, ports: PortPlan, model: str | None) -> list[EngineSpec]:
     """The engines of one pod (it must be :func:`pod_ready`), named after the pod.
     ``ValueError`` for a bad annotation (or a pod name too long for an engine name)."""
     plan, model = annotated_plan(pod.metadata.annotations, ports, model)
-    return engine_specs(pod.metadata.name, pod.status.podIP, plan, model)
+    return engine_specs(pod.metadata.name, pod.status.podIP, plan, model, pod_role(getattr(pod.metadata, "labels", None)))
+
+
+def pod_role(labels: Mapping[str, str] | None) -> str:
+    """The role its :data:`ROLE_LABELS` give (``both`` without one); ``ValueError``."""
+    for key in ROLE_LABELS:
+        if labels and key in labels:
+            role = labels[key].strip().lower()
+            if role not in ROLES:
+                raise ValueError(f"label {key}={labels[key]!r}: expected one of {', '.join(ROLES)}")
+            return role
+    return "both"
 
 
 # Label selectors, as kubectl takes them: `app=vllm,tier!=canary`, `env in (a,b)`,

@@ -22,9 +22,9 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from kvevents.engines.spec import EngineSpec
+from kvevents.engines.spec import ROLES, EngineSpec
 
-__all__ = ["PortPlan", "engine_specs", "name_for_address"]
+__all__ = ["PortPlan", "engine_specs", "name_for_address", "split_role"]
 
 DEFAULT_EVENTS_PORT = 5557
 DEFAULT_REPLAY_PORT = 5558
@@ -53,6 +53,18 @@ class PortPlan:
             raise ValueError(f"ports + {top} ranks pass 65535")
 
 
+def split_role(entry: str, flag: str) -> tuple[str, str]:
+    """``[ROLE=]NAME`` (a pool's DNS name, e.g. ``prefill=vllm-prefill.ns.svc``) as
+    ``(NAME, ROLE)``; no role: ``both``. ``ValueError`` naming ``flag`` for a bad role."""
+    role, sep, name = entry.rpartition("=")
+    if not sep:
+        return entry, "both"
+    if role.strip().lower() not in ROLES:
+        raise ValueError(f"{flag}: {entry!r}: the pool's role (before '=') must be one of "
+                         f"{', '.join(ROLES)}")
+    return name, role.strip().lower()
+
+
 def _host(address: str) -> str:
     """``address`` as it goes into a URL: IPv6 literals in brackets."""
     try:
@@ -70,8 +82,10 @@ def name_for_address(prefix: str, address: str) -> str:
     return f"{clean}-{address.split('%', 1)[0]}"
 
 
-def engine_specs(base: str, address: str, ports: PortPlan, model: str | None = None) -> list[EngineSpec]:
-    """The engines of one discovered server at ``address`` (an IP or host name)."""
+def engine_specs(base: str, address: str, ports: PortPlan, model: str | None = None,
+                 role: str = "both") -> list[EngineSpec]:
+    """The engines of one discovered server at ``address`` (an IP or host name), each
+    with the gateway ``role`` of its pool (:data:`~kvevents.engines.spec.ROLES`)."""
     host = _host(address)
     out = []
     for rank in range(ports.dp_size):
@@ -83,5 +97,6 @@ def engine_specs(base: str, address: str, ports: PortPlan, model: str | None = N
             model=model,
             http=None if ports.http is None else f"http://{host}:{ports.http}",
             dp_rank=None if ports.dp_size == 1 else rank,
+            role=role,
         ))
     return out

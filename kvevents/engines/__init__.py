@@ -7,7 +7,7 @@ Imports ``wire`` and ``ingest`` only: the registry knows an engine's stream stat
 """
 
 from kvevents.engines.registry import EngineBudgetError, EngineExistsError, EngineRegistry, EngineState
-from kvevents.engines.spec import ENGINE_NAME_PATTERN, EngineSpec, PodSpec, validate_engine_name
+from kvevents.engines.spec import ENGINE_NAME_PATTERN, ROLES, EngineSpec, PodSpec, validate_engine_name
 
-__all__ = ["ENGINE_NAME_PATTERN", "EngineBudgetError", "EngineExistsError", "EngineRegistry",
+__all__ = ["ENGINE_NAME_PATTERN", "ROLES", "EngineBudgetError", "EngineExistsError", "EngineRegistry",
            "EngineSpec", "EngineState", "PodSpec", "validate_engine_name"]

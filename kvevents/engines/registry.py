@@ -225,6 +225,7 @@ class EngineRegistry:
             "model": spec.model,
             "http": spec.http,
             "dp_rank": spec.dp_rank,
+            "role": spec.role,
             "status": "replaying" if st.replaying else self.status(st, now),
             "replay_gap": ({"from_seq": st.replay_from, "held_from_seq": st.replay_until,
                             "held_bytes": st.pending_bytes} if st.replaying else None),

@@ -23,13 +23,27 @@ from urllib.parse import urlsplit
 from kvevents.ingest.source import SourceConfig
 from kvevents.wire.framing import EndpointError, check_engine_endpoint
 
-__all__ = ["ENGINE_NAME_PATTERN", "MAX_DP_SIZE", "EngineSpec", "PodSpec", "dp_endpoint",
-           "validate_engine_name"]
+__all__ = ["ENGINE_NAME_PATTERN", "MAX_DP_SIZE", "ROLES", "EngineSpec", "PodSpec", "check_role",
+           "dp_endpoint", "validate_engine_name"]
 
 ENGINE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 _ENGINE_NAME = re.compile(ENGINE_NAME_PATTERN)
 #: The most data-parallel ranks one server may have (``dp=N``).
 MAX_DP_SIZE = 1024
+#: What an engine does for the gateway (``role=``): ``both`` (whole requests: the
+#: default), ``prefill`` (the first hop of a disaggregated request only: an engine with
+#: a KV-transfer connector as producer) or ``decode`` (the second hop: its consumer;
+#: it also takes whole requests when no prefill engine can).
+ROLES = ("both", "prefill", "decode")
+
+
+def check_role(role: object, field: str = "role") -> str:
+    """``role`` if it is one of :data:`ROLES` (any case), lowercased; else
+    :class:`~kvevents.wire.framing.EndpointError` naming ``field``."""
+    text = role.strip().lower() if isinstance(role, str) else None
+    if text not in ROLES:
+        raise EndpointError(f"{field}: expected one of {', '.join(ROLES)}, got {role!r}", field)
+    return text
 
 
 def dp_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -79,7 +93,9 @@ class EngineSpec:
     a target of the gateway (``POST /v1/chat/completions`` and ``/v1/completions``).
     ``dp_rank``: this engine is that rank of a data-parallel server (its batches carry
     that ``data_parallel_rank``, and the gateway sends its requests with
-    ``X-data-parallel-rank``); None: a server of its own, or a rank followed as one."""
+    ``X-data-parallel-rank``); None: a server of its own, or a rank followed as one.
+    ``role``: what the gateway sends it (:data:`ROLES`; see
+    :mod:`kvevents.gateway.disagg`)."""
 
     name: str
     endpoint: str
@@ -89,9 +105,11 @@ class EngineSpec:
     bind: bool = False
     http: str | None = None
     dp_rank: int | None = None
+    role: str = "both"
 
     def __post_init__(self) -> None:
         validate_engine_name(self.name)
+        object.__setattr__(self, "role", check_role(self.role))
         if self.dp_rank is not None and (type(self.dp_rank) is not int
                                          or not 0 <= self.dp_rank < MAX_DP_SIZE):
             raise ValueError(f"dp_rank must be 0..{MAX_DP_SIZE - 1}, got {self.dp_rank!r}")
@@ -103,7 +121,7 @@ class EngineSpec:
 
     @classmethod
     def parse(cls, text: str) -> EngineSpec:
-        """Parse ``NAME=ENDPOINT[,replay=E][,model=M][,topic=T][,bind=1][,http=URL]``
+        """Parse ``NAME=ENDPOINT[,replay=E][,model=M][,topic=T][,bind=1][,http=URL][,role=R]``
         (one engine: ``dp=N`` with N > 1 is :meth:`parse_all`'s)."""
         specs = cls.parse_all(text)
         if len(specs) != 1:
@@ -127,7 +145,7 @@ class EngineSpec:
                 raise ValueError(f"option {opt!r} in {text!r} must be key=value")
             if key == "replay":
                 kw["replay_endpoint"] = value
-            elif key in ("model", "topic", "http"):
+            elif key in ("model", "topic", "http", "role"):
                 kw[key] = value
             elif key == "bind":
                 kw["bind"] = value.lower() in ("1", "true", "yes")
@@ -135,7 +153,7 @@ class EngineSpec:
                 dp = _dp_size(value.strip())
             else:
                 raise ValueError(f"unknown option {key!r} in {text!r} "
-                                 "(replay, model, topic, bind, http, dp)")
+                                 "(replay, model, topic, bind, http, dp, role)")
         return cls.ranks(dp, name=name.strip(), endpoint=endpoint.strip(), **kw)
 
     @classmethod
@@ -170,7 +188,7 @@ class EngineSpec:
     def from_table_all(cls, table: Mapping[str, Any]) -> list[EngineSpec]:
         """:meth:`from_table`, where ``dp = N`` makes a data-parallel server's N
         engines (:meth:`ranks`)."""
-        known = ("name", "endpoint", "replay_endpoint", "model", "topic", "bind", "http", "dp")
+        known = ("name", "endpoint", "replay_endpoint", "model", "topic", "bind", "http", "dp", "role")
         unknown = sorted(set(table) - set(known))
         if unknown:
             raise ValueError(f"unknown key {unknown[0]!r} (keys: {', '.join(known)})")

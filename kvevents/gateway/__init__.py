@@ -4,6 +4,8 @@ Files::
 
     proxy.py    Gateway: route (index + load + session), forward unchanged, stream back,
                 retry before the first byte, account; the request's whole life
+    disagg.py   prefill/decode disaggregation: the pools, the skip, the prefill hop and
+                its fallbacks (engines' roles)
     relay.py    a streamed answer as one response owning the engine's stream and the
                 request's slot to its last byte; chunks written to the client's socket
                 as the engine sends them (kvevents serve), else through ASGI send

@@ -127,6 +127,12 @@ class TargetLoad:
     sent: float = 0.0  # this gateway's requests sent here, decayed per request (see shares)
     dp_rank: int | None = None  # the engine is this rank of a data-parallel server (see poll)
 
+    def count_cached(self, reported: int, predicted: int) -> None:
+        """An answer from this engine that reported its cached tokens."""
+        self.predicted_cached += predicted
+        self.reported_cached += reported
+        self.usage_reports += 1
+
 
 class EngineLoads:
     """Load of every gateway target; the event loop's thread only (no locks needed)."""

@@ -20,6 +20,11 @@ kvevents_gateway_partial_prompts_total         prompts routed by less than their
                                                prompt_embeds (by load alone)}
 kvevents_gateway_token_parity_checks_total     the gateway's ids against the engine's
                                                /tokenize {engine, model_name, result, reason}
+kvevents_gateway_pd_decisions_total            a disaggregated model's requests {reason:
+                                               disaggregated, decode_cached, short_uncached,
+                                               no_prefill, prefill_failed}
+kvevents_gateway_pd_prefill_seconds            prefill hop, sent to whole answer {model_name}
+kvevents_gateway_pd_decode_ttft_seconds        decode hop, sent to first byte {model_name}
 kvevents_gateway_connections_closed_total      HTTP connections the server closed on a
                                                hostile client {reason: header_timeout,
                                                body_timeout, evicted, over_capacity,
@@ -43,6 +48,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvevents.gateway.media import REASONS
+
+#: Why a disaggregated model's request took one hop or two (see kvevents.gateway.disagg).
+PD_REASONS = ("disaggregated", "decode_cached", "short_uncached", "no_prefill", "prefill_failed")
 
 from kvevents.service.metrics.labels import UNKNOWN, ModelLabels
 
@@ -92,6 +100,21 @@ class GatewayMetrics:
             "no ids, by load alone)", ["reason"], registry=registry)
         for reason in REASONS:
             self.partial.labels(reason)
+        self.pd_decisions = Counter(
+            "kvevents_gateway_pd_decisions_total", "Requests for a disaggregated model (one with "
+            "prefill engines): disaggregated (two hops); decode_cached, short_uncached (the "
+            "decode engine held enough of the prompt, or lacked too little: one hop); no_prefill, "
+            "prefill_failed (no prefill engine reachable, or every one tried failed: the decode "
+            "engine computed the prompt)", ["reason"], registry=registry)
+        for reason in PD_REASONS:
+            self.pd_decisions.labels(reason)
+        self.pd_prefill_seconds = Histogram(
+            "kvevents_gateway_pd_prefill_seconds", "A disaggregated request's prefill hop, sent to "
+            "whole answer", ["model_name"], buckets=_BUCKETS, registry=registry)
+        self.pd_decode_ttft = Histogram(
+            "kvevents_gateway_pd_decode_ttft_seconds", "A disaggregated request's decode hop, sent "
+            "to first byte (the decode engine's TTFT, the transfer included)", ["model_name"],
+            buckets=_BUCKETS, registry=registry)
         self.parity = Counter("kvevents_gateway_token_parity_checks_total", "The gateway's ids for a "
                               "request compared with the engine's /tokenize ids for it (result: match, "
                               "mismatch; reason of a mismatch: special_tokens, tools, content_format, "
@@ -140,10 +163,28 @@ class GatewayMetrics:
         self.of(self.requests, engine, m, str(status)).inc()
         self.of(self.latency, m).observe(seconds)
         if usage is not None:
-            reported, predicted = usage
-            self.of(self.predicted, engine, m).inc(predicted)
-            self.of(self.reported, engine, m).inc(reported)
-            self.of(self.usage_reports, engine, m).inc()
+            self.hop_cached(engine, model, *usage)
+
+    def hop_cached(self, engine: str, model: str | None, reported: int, predicted: int) -> None:
+        """An answer (a whole request's, or a disaggregated request's prefill hop) that
+        reported its cached tokens, against the index's prediction for ``engine``."""
+        m = self.model(model)
+        self.of(self.predicted, engine, m).inc(predicted)
+        self.of(self.reported, engine, m).inc(reported)
+        self.of(self.usage_reports, engine, m).inc()
+
+    def pd_decided(self, reason: str) -> None:
+        """A disaggregated model's request: two hops, or why one engine did it all."""
+        self.of(self.pd_decisions, reason).inc()
+
+    def pd_prefill(self, model: str | None, seconds: float) -> None:
+        """A prefill hop's time, sent to whole answer."""
+        self.of(self.pd_prefill_seconds, self.model(model)).observe(seconds)
+
+    def pd_decode_first_byte(self, model: str | None, seconds: float) -> None:
+        """A disaggregated request's decode engine: its first byte after the decode hop
+        was sent (the time to its answer's head for a whole answer)."""
+        self.of(self.pd_decode_ttft, self.model(model)).observe(seconds)
 
     def parity_checked(self, engine: str, model: str | None, result: str, reason: str) -> None:
         """One token-parity check (see :mod:`kvevents.gateway.parity`)."""

@@ -30,6 +30,7 @@ from kvevents.gateway.parity import TokenParity
 from kvevents.text import ChatTemplateError, TextTokenizer, TokenizerRegistry
 from kvevents.text.chat import ChatMessage
 from kvevents.text.chat_inputs import ChatOptions
+from kvevents.text.limits import text_chars
 
 log = logging.getLogger(__name__)
 
@@ -380,3 +381,13 @@ class PromptTokens:
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.debug("engine /tokenize failed: %s", exc)
         return None
+
+
+def prompt_chars(req: OpenAIRequest) -> int:
+    """Characters of a request's prompt text: a completion's string prompt, or every
+    string in the chat messages (contents, content parts, tool calls' arguments, names:
+    whatever a chat template may render), as :func:`~kvevents.text.limits.text_chars`
+    counts them for ``/v1/lookup`` and ``/v1/route``. One step per string."""
+    if req.kind != CHAT:
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    return text_chars(req.chat if req.chat is not None else req.messages)

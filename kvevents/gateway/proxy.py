@@ -17,6 +17,9 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
    its engine while that engine is a target and not overloaded), else the policy's
    choice (:class:`~kvevents.routing.Router`: longest cached prefix per tier against
    load; engines whose event stream is down are chosen only when all are);
+   a model with prefill engines (``role=prefill``) is disaggregated (:mod:`.disagg`):
+   the choice is among its decode engines, and the prompt may first go to a prefill
+   engine (the prefill hop), whose ``kv_transfer_params`` the body then carries;
 4. the body sent unchanged to the engine. A refused connection, or a 5xx before the
    first byte, is sent once more to the next choice (``kvevents_gateway_retries_total``);
    after the first byte nothing is retried;
@@ -50,6 +53,7 @@ from kvevents.engines import EngineSpec
 from kvevents.gateway.answers import (WholeAnswer, answer_headers, cached_tokens, expected_cached,
                                       stream_cached_tokens)
 from kvevents.gateway.catalog import ModelCatalog, identity_digest
+from kvevents.gateway.disagg import Disaggregation, Hop
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.headers import DROP as _DROP, DROP_KEYED as _DROP_KEYED, with_rank
 from kvevents.gateway.inflight import InflightPrompts
@@ -58,13 +62,13 @@ from kvevents.gateway.memory import MemoryTrim
 from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.parity import TokenParity
 from kvevents.gateway.pool import UpstreamPool
-from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request
-from kvevents.gateway.relay import BODY, Relay, client_gone
+from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request, prompt_chars
+from kvevents.gateway.relay import Relay, body_now, client_gone, read_whole
 from kvevents.gateway.upstream import (UpstreamAborted, UpstreamConnectError, UpstreamError,
                                        UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router
 from kvevents.text import TokenizerRegistry
-from kvevents.text.limits import chars_limit, check_chars, text_chars
+from kvevents.text.limits import chars_limit, check_chars
 from kvevents.text.prompt import InputError, check_length
 
 log = logging.getLogger(__name__)
@@ -81,7 +85,8 @@ class Gateway:
                  poll_interval_s: float = 1.0, busy_poll_interval_s: float | None = 1.0,
                  prefill_tokens_per_request: int = 2048, max_prompt_tokens: int = 1_000_000,
                  max_prompt_chars: int = 4_000_000, token_parity_sample_rate: float = 0.01,
-                 token_parity_threshold: int = 3, models_interval_s: float = 30.0) -> None:
+                 token_parity_threshold: int = 3, models_interval_s: float = 30.0,
+                 pd_skip_cached_share: float = 0.9, pd_skip_uncached_tokens: int = 256) -> None:
         self.router = router
         self.aggregator = router.aggregator
         self.tokenizers = tokenizers
@@ -106,6 +111,7 @@ class Gateway:
         self._poller: asyncio.Task | None = None
         self._known: set[str] = set()  # targets at the last poll
         self.catalog, self._catalog_task = ModelCatalog(models_interval_s), None  # engines' adapters
+        self.pd = Disaggregation(metrics, pd_skip_cached_share, pd_skip_uncached_tokens, timeout_s)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -190,7 +196,7 @@ class Gateway:
         req: OpenAIRequest | None = None
         try:
             try:
-                body = _body_now(request)
+                body = body_now(request)
                 if body is None:
                     body = await request.body()
             except ClientDisconnect:  # left mid-upload (or timed out by the server)
@@ -229,6 +235,8 @@ class Gateway:
                                    f"{', '.join(self.served_models()) or 'none'})", "model",
                               code="model_not_found")
         reachable = [s for s in targets if self.loads.of(s.name).reachable]
+        pools = self.pd.pools(targets, reachable)  # (None: not disaggregated)
+        reachable = reachable if pools is None else pools.decode
         if not reachable:
             raise OpenAIError(503, "no engine for this model is reachable now; retry shortly",
                               headers={"Retry-After": "2"})
@@ -253,18 +261,22 @@ class Gateway:
         session = next((v.decode("latin-1") for k, v in raw if k == b"x-session-id"), None)
         tried: set[str] = set()
         arr = None if ids is None else np.asarray(ids, dtype=np.int64)
+        identity = (base if lora else model, lora, req.cache_salt, ident)
+        hop: Hop | None = None  # a disaggregated request's prefill hop (see disagg.py)
         while True:
-            decision = await self._decide(ids, arr, model, by_name, tried, session,
-                                          (base if lora else model, lora, req.cache_salt, ident))
+            decision = await self._decide(ids, arr, model, by_name, tried, session, identity)
             engine = by_name[decision.engine]
-            predicted = expected_cached(decision, len(ids) if ids else 0)
+            if pools is not None and hop is None:  # (before the decode engine's first try)
+                hop = await self.pd.prefill(self, request, req, ids, arr, decision, pools, model,
+                                            identity, headers)
+            predicted = max(expected_cached(decision, len(ids) if ids else 0), hop.transferred if hop else 0)
             # The request's load and prompt in flight, counted once it is on its way
             # (see UpstreamPool.send: nothing else is decided before).
             flight: list[tuple[int, tuple | None]] = []
             on_way = partial(self._on_way, flight, engine.name, decision, predicted, arr, model,
                              ids, session, ident)
             try:
-                upstream = await self._send(request, engine, req, headers, on_way)
+                upstream = await self._send(request, engine, hop.request if hop else req, headers, on_way)
             except OpenAIError as exc:  # the client left before any answer
                 self._landed(engine.name, flight)
                 self._count(engine.name, model, exc.status, t0, None)
@@ -294,7 +306,8 @@ class Gateway:
         if session:
             self._pin(session, engine.name)
         if req.stream and upstream.status_code < 400:
-            return self._stream(upstream, engine.name, model, predicted, prefill, t0)
+            return self._stream(upstream, engine.name, model, predicted, prefill, t0, hop)
+        self.pd.first_byte(hop, model)  # (a whole answer's: its head)
         return await self._whole(request, upstream, engine.name, model, predicted, prefill, t0)
 
     def _model_of(self, req: OpenAIRequest) -> str | None:
@@ -402,11 +415,7 @@ class Gateway:
         """One request's end: its status, latency, and (reported, predicted) cached tokens."""
         self.metrics.answered(engine, model, status, time.perf_counter() - t0, usage)
         if usage is not None:
-            reported, predicted = usage
-            t = self.loads.of(engine)
-            t.predicted_cached += predicted
-            t.reported_cached += reported
-            t.usage_reports += 1
+            self.loads.of(engine).count_cached(*usage)
 
     async def _whole(self, request: Request, upstream: UpstreamResponse, engine: str,
                      model: str | None, predicted: int, prefill: tuple, t0: float) -> Response:
@@ -415,30 +424,14 @@ class Gateway:
         body = upstream.body_now()
         held = body is not None  # engine connection and load released once written
         if body is None:
-            error: OpenAIError | None = None
             try:
-                read = asyncio.ensure_future(upstream.aread())
-                gone = client_gone(request.scope, request.receive)
-                try:
-                    done, _ = await asyncio.wait((read, gone), timeout=self.timeout_s,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    gone.cancel()
-                if read not in done:
-                    read.cancel()
-                    error = (OpenAIError(499, "client closed the request") if gone in done else
-                             OpenAIError(504, f"engine {engine} gave no answer within {self.timeout_s:g} s"))
-                elif read.exception() is not None:
-                    error = OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")
-                else:
-                    body = read.result()
+                body = await read_whole(request, upstream, engine, self.timeout_s)
             finally:
                 upstream.close()
                 self._finished(engine, prefill)
-            if error is not None:
-                self._count(engine, model, error.status, t0, None)
-                return error.response()
-        assert body is not None
+            if isinstance(body, OpenAIError):
+                self._count(engine, model, body.status, t0, None)
+                return body.response()
         status = upstream.status_code
 
         def after() -> None:  # once the answer is written: not on the client's clock
@@ -451,11 +444,12 @@ class Gateway:
         return WholeAnswer(body, status, answer_headers(upstream, engine), after)
 
     def _stream(self, upstream: UpstreamResponse, engine: str, model: str | None,
-                predicted: int, prefill: tuple, t0: float) -> Relay:
+                predicted: int, prefill: tuple, t0: float, hop: Hop | None = None) -> Relay:
         """A streamed answer, relayed as the engine sends it; the relay's end releases
         the request's slot and load and counts it (see :mod:`.relay`)."""
         def first() -> None:
             self.metrics.first_byte(model, time.perf_counter() - t0)
+            self.pd.first_byte(hop, model)
 
         def end(status: int, tail: bytes) -> None:
             self.inflight -= 1
@@ -479,20 +473,3 @@ class Gateway:
         data = await self.catalog.listing(self.client, [s.http for s in specs], self.served_models(),
                                           int(self.aggregator.started_at))
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
-
-
-def prompt_chars(req: OpenAIRequest) -> int:
-    """Characters of a request's prompt text: a completion's string prompt, or every
-    string in the chat messages (contents, content parts, tool calls' arguments, names:
-    whatever a chat template may render), as :func:`~kvevents.text.limits.text_chars`
-    counts them for ``/v1/lookup`` and ``/v1/route``. One step per string."""
-    if req.kind != CHAT:
-        return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return text_chars(req.chat if req.chat is not None else req.messages)
-
-
-def _body_now(request: Request) -> bytes | None:
-    """The request's body if the server holds it whole already (kvevents' own protocol:
-    no async generator and turn of the loop to read it), else None."""
-    take = request.scope.get("extensions", {}).get(BODY)
-    return None if take is None else take()

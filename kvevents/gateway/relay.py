@@ -48,11 +48,12 @@ import collections
 import logging
 from collections.abc import Callable
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvevents.gateway.answers import is_complete
-from kvevents.gateway.errors import error_body
+from kvevents.gateway.errors import OpenAIError, error_body
 from kvevents.gateway.upstream import TAIL_BYTES, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ GONE = "kvevents.gone"
 #: whole body if it has all arrived (taken: ``receive`` will not give it again), else None.
 BODY = "kvevents.body"
 
-__all__ = ["BODY", "DIRECT", "GONE", "Relay", "USAGE_TAIL", "client_gone"]
+__all__ = ["BODY", "DIRECT", "GONE", "Relay", "USAGE_TAIL", "body_now", "client_gone", "read_whole"]
 
 
 def client_gone(scope: Scope, receive: Receive) -> asyncio.Future:
@@ -81,6 +82,27 @@ def client_gone(scope: Scope, receive: Receive) -> asyncio.Future:
     if watch is not None:
         return watch()
     return asyncio.ensure_future(_disconnected(receive))
+
+
+async def read_whole(request: Request, upstream: UpstreamResponse, engine: str,
+                     timeout_s: float) -> bytes | OpenAIError:
+    """An answer's whole body, read while watching the client: the error to answer
+    instead when the client left (499), the engine gave no answer within ``timeout_s``
+    (504) or broke it off (502). The caller closes ``upstream`` (the engine then sees a
+    request it answers for nobody end)."""
+    read = asyncio.ensure_future(upstream.aread())
+    gone = client_gone(request.scope, request.receive)
+    try:
+        done, _ = await asyncio.wait((read, gone), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if read not in done:
+        read.cancel()
+        return (OpenAIError(499, "client closed the request") if gone in done else
+                OpenAIError(504, f"engine {engine} gave no answer within {timeout_s:g} s"))
+    if read.exception() is not None:
+        return OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")
+    return read.result()
 
 
 class Relay(Response):
@@ -255,3 +277,10 @@ async def _disconnected(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def body_now(request: Request) -> bytes | None:
+    """The request's body if the server holds it whole already (kvevents' own protocol:
+    no async generator and turn of the loop to read it), else None."""
+    take = request.scope.get("extensions", {}).get(BODY)
+    return None if take is None else take()

@@ -264,6 +264,13 @@ class AggregatorSettings(BaseSettings):
     token_parity_threshold: int = Field(
         3, ge=1, description="gateway: mismatches in a row after which a model's requests are "
                              "routed with the engines' /tokenize ids until a check matches")
+    pd_skip_cached_share: float = Field(
+        0.9, ge=0, le=1, description="prefill/decode disaggregation: the decode engine computes "
+                                     "the prompt itself (no prefill hop) when it holds at least "
+                                     "this share of it")
+    pd_skip_uncached_tokens: int = Field(
+        256, ge=0, description="prefill/decode disaggregation: likewise when the part of the "
+                               "prompt it lacks is shorter than this many tokens; 0: never")
     engine_poll_interval_s: float = Field(1.0, gt=0, description="seconds between reads of each "
                                                                  "engine's /metrics (its load)")
     engine_poll_busy_interval_s: float = Field(

@@ -30,7 +30,7 @@ def dnsmasq(tmp_path) -> Iterator[Dnsmasq]:
 def test_records_change_and_vanish(dnsmasq):
     src = DnsSource("vllm.test", PortPlan(), interval_s=0.1, server=dnsmasq.server, model="m")
     assert src.origin == "dns:vllm.test"
-    assert src.describe() == {"kind": "dns", "name": "vllm.test", "server": dnsmasq.server,
+    assert src.describe() == {"kind": "dns", "name": "vllm.test", "role": "both", "server": dnsmasq.server,
                               "interval_s": 0.1,
                               "ports": {"events": 5557, "replay": 5558, "http": 8000, "dp_size": 1}}
     with running(src) as r:
@@ -62,6 +62,21 @@ def test_dp_ranks_get_their_ports(dnsmasq):
     assert _names(specs) == ["vllm-127.0.0.2-dp0", "vllm-127.0.0.2-dp1"]
     assert [s.endpoint for s in specs] == ["tcp://127.0.0.2:6000", "tcp://127.0.0.2:6001"]
     assert [(s.replay_endpoint, s.http) for s in specs] == [(None, None), (None, None)]
+
+
+@pytest.mark.timeout(20)
+def test_one_name_per_pool_gives_its_engines_role(dnsmasq):
+    from kvevents.discovery import build_sources
+    from kvevents.service.settings import AggregatorSettings
+
+    sources = build_sources(AggregatorSettings(
+        discover_dns=("prefill=vllm.test", "vllm.test"), dns_server=dnsmasq.server, discover_interval_s=0.1))
+    assert [(s.name, s.role) for s in sources] == [("vllm.test", "prefill"), ("vllm.test", "both")]
+    with running(sources[0]) as r:
+        specs = r.wait_for(lambda s: len(s) == 2, 3)
+    assert [s.role for s in specs] == ["prefill", "prefill"]
+    with pytest.raises(ValueError, match="discover-dns: 'prefil=vllm.test': the pool's role"):
+        build_sources(AggregatorSettings(discover_dns=("prefil=vllm.test",)))
 
 
 @pytest.mark.timeout(20)

@@ -278,6 +278,23 @@ def test_bad_annotations_skip_the_pod_and_warn_once(api, kubeconfig, caplog):
     assert any("vllm-wide" in w and "dp_size" in w for w in warnings)
 
 
+@pytest.mark.timeout(15)
+def test_a_pods_role_label_gives_its_engines_role(api, kubeconfig):
+    """Prefill/decode pools are labels: ours, else llm-d's; a bad value skips the pod."""
+    api.put(make_pod("vllm-p", "127.0.0.2", labels={**SERVE, "kvevents.io/role": "prefill"}))
+    api.put(make_pod("vllm-d", "127.0.0.3", labels={**SERVE, "llm-d.ai/role": "Decode"},
+                     annotations={"kvevents.io/dp-size": "2"}))
+    api.put(make_pod("vllm-b", "127.0.0.4", labels=SERVE))
+    api.put(make_pod("vllm-x", "127.0.0.5", labels={**SERVE, "kvevents.io/role": "prefil"}))
+    source = K8sSource(SELECTOR, PortPlan(), kubeconfig=str(kubeconfig))
+    with running(source) as emits:
+        assert wait_until(lambda: emits.names is not None and len(emits.names) == 4)
+        got = emits.last()
+    assert {n: s.role for n, s in got.items()} == {
+        "vllm-p": "prefill", "vllm-d-dp0": "decode", "vllm-d-dp1": "decode", "vllm-b": "both"}
+    assert source.status.extra["bad_pods"] == 1
+
+
 @pytest.mark.timeout(10)
 def test_a_pod_whose_engine_name_is_taken_is_skipped(api, kubeconfig):
     api.put(make_pod("vllm-2", "127.0.0.2", labels=SERVE, annotations={"kvevents.io/dp-size": "2"}))

@@ -1,0 +1,340 @@
+"""Prefill/decode disaggregation: the gateway against vllm-router 0.1.17's PD mode, on
+real vLLM engines on CPU, with an aggregated fleet of the same engines as the baseline.
+
+Four stock vLLM 0.32 CPU OpenAI servers (:mod:`kvevents.demo.vllm_server`, the tiny
+model and its locally trained tokenizer, block size 32, ``--blocks`` KV blocks each,
+``--enable-scale-out`` for vllm-router's ``cache_aware``, KV events on wildcard endpoints:
+the benchmark re-runs itself inside ``unshare -n``), engine ``i`` pinned to core ``i``
+modulo the cores there are. For the disaggregated runs, ``e0`` and ``e1`` are prefill
+engines and ``e2`` and ``e3`` decode engines, with vLLM's ``ExampleConnector`` over one
+shared folder (:mod:`kvevents.demo.pd_engines`: ``kv_producer`` / ``kv_consumer``), in
+the variant whose folders appear whole (:mod:`connector.shared_folder`: under
+concurrency the stock one lets a decode engine read a folder a prefill engine is still
+writing, and the decode engine dies), emptied before every run with the engines' prefix
+caches. Per round, in a rotating order:
+
+* ``ours_pd``: ``kvevents serve`` with ``role=prefill`` / ``role=decode`` endpoints
+  (its defaults: the prefill hop skipped when the decode engine holds 90% of the prompt
+  or lacks fewer than 256 tokens of it);
+* ``vllm_router_pd``: ``vllm-router --vllm-pd-disaggregation --prefill e0 --prefill e1
+  --decode e2 --decode e3 --policy cache_aware`` (a fresh process per run).
+
+Then the four engines are restarted without the transfer connector and ``ours_agg``
+(``kvevents serve``, every engine ``role=both``) runs the same workload ``--rounds``
+times: the aggregated baseline.
+
+The workload is ``bench_gateway.py``'s chats (:mod:`chat_workloads`: shared system
+prompts, growing conversations, long documents revisited), streamed through the
+official ``openai`` client, ``--concurrency`` at a time. Per run: prefill-side hit
+tokens (the prefill engines' ``vllm:prefix_cache_hits_total``; every engine's for the
+aggregated fleet), the decode engines' own hits and the tokens they loaded from the
+prefill side (``vllm:external_prefix_cache_hits_total``), prompt tokens computed over
+the fleet (prompt tokens less local and loaded hits), TTFT p50/p90 (client side, to the
+first streamed chunk with a choice), completed and failed requests, and ours' decisions
+(``kvevents_gateway_pd_decisions_total``).
+
+    .venv/bin/python benchmarks/bench_pd.py --rounds 2 --requests 125
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from bench_gateway import (MAX_MODEL_LEN, MODEL, BenchError, Ours, _tail, engine_busy,  # noqa: E402
+                           metric_sum, run_workload, wait_until)
+from chat_workloads import build_workload, endless_cache_hits  # noqa: E402
+from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ["prefill", "prefill", "decode", "decode"]
+SETUPS = ("ours_pd", "vllm_router_pd")
+COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "external": "vllm:external_prefix_cache_hits_total",
+            "prompt_tokens": "vllm:prompt_tokens_total", "success": "vllm:request_success_total"}
+
+
+class Fleet:
+    """Four vLLM servers, P/D (``folder`` the shared KV folder) or aggregated (None)."""
+
+    def __init__(self, model_dir: Path, events: list[tuple[int, int]], run_dir: Path, blocks: int,
+                 folder: Path | None) -> None:
+        from kvevents.demo.pd_engines import transfer_args
+        from kvevents.demo.vllm_server import VllmServer
+
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        tag = "pd" if folder else "agg"
+        self.servers = [VllmServer(
+            model_dir, endpoint=f"tcp://*:{live}", replay_endpoint=f"tcp://*:{replay}", core=i,
+            log=run_dir / f"vllm-{tag}-{i}.log", served_model_name=MODEL, num_gpu_blocks=blocks,
+            max_model_len=MAX_MODEL_LEN, env=env,
+            extra_args=["--enable-scale-out", *(transfer_args(role, folder, atomic=True) if folder else [])])
+            for i, ((live, replay), role) in enumerate(zip(events, ROLES))]
+        self.folder = folder
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def start(self, timeout: float) -> Fleet:
+        for s in self.servers:
+            s.start()
+        try:
+            for s in self.servers:
+                s.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def reset(self, ours: Ours | None) -> None:
+        """Empty caches: the engines' prefix caches (published as AllBlocksCleared, which
+        vLLM 0.32 sends at its next step: one short request each), the shared folder."""
+        urls = [s.url for s in self.servers]
+        for u in urls:
+            wait_until(lambda u=u: engine_busy(u) == 0, 120, what=f"engine {u} to be idle")
+        for s in self.servers:
+            wait_until(s.reset_prefix_cache, 30, interval=0.2, what=f"engine {s.url} to reset")
+        for u in urls:
+            httpx.post(u + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder.mkdir()
+        if ours is not None:
+            ours.wait_index_empty()
+
+    def counters(self) -> list[dict[str, float]]:
+        out = []
+        for s in self.servers:
+            text = httpx.get(s.url + "/metrics", timeout=10).text
+            out.append({k: metric_sum(text, name) for k, name in COUNTERS.items()})
+        return out
+
+
+class VllmRouterPD:
+    """A fresh ``vllm-router`` in vLLM's PD mode over the fleet's two pools."""
+
+    def __init__(self, fleet: Fleet, run_dir: Path, tag: str, policy: str) -> None:
+        from kvevents.demo.fleet import free_port
+
+        exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+        if exe is None:
+            raise BenchError("vllm-router is not installed: pip install -e '.[bench]' (vllm-router==0.1.17)")
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = run_dir / f"vllm-router-pd-{tag}.log"
+        self.cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
+                    "--policy", policy, "--prometheus-host", "127.0.0.1",
+                    "--prometheus-port", str(self.metrics_port), "--worker-startup-check-interval", "1",
+                    "--log-level", "warning"]
+        for s, role in zip(fleet.servers, ROLES):
+            self.cmd += ["--prefill", s.url] if role == "prefill" else ["--decode", s.url]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> None:
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise BenchError(f"vllm-router exited (rc={self.proc.returncode}): {_tail(self.log)}")
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+
+        wait_until(ready, timeout, interval=0.3, what="vllm-router (PD) to be ready")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def one_run(setup: str, rnd: int, fleet: Fleet, ours: Ours | None, reqs, a, run_dir: Path) -> dict:
+    row: dict = {"round": rnd, "setup": setup, "requests": len(reqs)}
+    vr = None
+    try:
+        fleet.reset(ours)
+        if setup.startswith("ours"):
+            base, gw_before = ours.url, ours.metrics()
+        else:
+            vr = VllmRouterPD(fleet, run_dir, f"r{rnd}", a.router_policy)
+            vr.start()
+            base = vr.url
+        before = fleet.counters()
+        t0 = time.perf_counter()
+        outcomes = asyncio.run(run_workload(base, reqs, a.concurrency, a.request_timeout))
+        row["wall_s"] = time.perf_counter() - t0
+        for s in fleet.servers:
+            wait_until(lambda u=s.url: engine_busy(u) == 0, 60, what=f"engine {s.url} to finish")
+        time.sleep(0.5)
+        delta = [{k: b[k] - x[k] for k in b} for x, b in zip(before, fleet.counters())]
+        ok = [o for o in outcomes if o.failed is None]
+        failures: dict[str, int] = {}
+        for o in outcomes:
+            if o.failed:
+                failures[o.failed] = failures.get(o.failed, 0) + 1
+        prefill = [d for d, role in zip(delta, ROLES) if role == "prefill" or setup == "ours_agg"]
+        decode = [d for d, role in zip(delta, ROLES) if role == "decode" and setup != "ours_agg"]
+        ttft = [o.ttft for o in ok if o.ttft is not None]
+        row.update({
+            "completed": len(ok), "failures": sum(failures.values()), "failure_reasons": failures,
+            "prefill_hit_tokens": int(sum(d["hits"] for d in prefill)),
+            "decode_hit_tokens": int(sum(d["hits"] for d in decode)),
+            "loaded_tokens": int(sum(d["external"] for d in delta)),
+            "computed_tokens": int(sum(d["prompt_tokens"] - d["hits"] - d["external"] for d in delta)),
+            "engine_requests": [int(d["success"]) for d in delta],
+            "ttft_p50_s": percentile(ttft, 50) if ttft else None,
+            "ttft_p90_s": percentile(ttft, 90) if ttft else None,
+        })
+        if ours is not None and setup.startswith("ours"):
+            text = ours.metrics()
+            row["decisions"] = {r: int(metric_sum(text, "kvevents_gateway_pd_decisions_total", reason=r)
+                                       - metric_sum(gw_before, "kvevents_gateway_pd_decisions_total", reason=r))
+                                for r in ("disaggregated", "decode_cached", "short_uncached", "no_prefill",
+                                          "prefill_failed")}
+        if row["failures"]:
+            row["invalid"] = f"{row['failures']} failed requests"
+    except Exception as exc:  # noqa: BLE001 (a router that does not work is reported, not fatal)
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        if vr is not None:
+            row["error"] += "\n" + _tail(vr.log, 1500)
+    finally:
+        if vr is not None:
+            vr.stop()
+    return row
+
+
+HEADERS = ["round", "setup", "completed", "prefill-side hits", "decode hits", "loaded", "computed",
+           "TTFT p50 ms", "TTFT p90 ms", "requests per engine", "decisions"]
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.0f}"
+
+
+def _row(r: dict) -> list:
+    if "error" in r:
+        return [r["round"], r["setup"], "error", r["error"].splitlines()[0][:60], *[""] * 7]
+    return [r["round"], r["setup"], r["completed"], f"{r['prefill_hit_tokens']:,}", f"{r['decode_hit_tokens']:,}",
+            f"{r['loaded_tokens']:,}", f"{r['computed_tokens']:,}", _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]),
+            "/".join(map(str, r["engine_requests"])),
+            " ".join(f"{k}={v}" for k, v in (r.get("decisions") or {}).items() if v)]
+
+
+def inner(a) -> int:
+    from kvevents.demo.fleet import free_port
+    from kvevents.demo.tiny_model import make_tiny_model
+
+    workdir = Path(a.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = make_tiny_model(workdir / f"model-{a.model_size}", tokenizer=True, size=a.model_size)
+    reqs = build_workload(a.requests, model_dir, a.seed)
+    info = machine()
+    info["load_average"] = os.getloadavg()
+    print(f"machine: {info['cpu']}, nproc {info['cores']}, Python {info['python']}, load average "
+          + " ".join(f"{x:.2f}" for x in info["load_average"]))
+    print(f"command: {a.command}")
+    tokens = [r.prompt_tokens for r in reqs]
+    print(f"workload: {len(reqs)} chat requests, {sum(tokens):,} prompt tokens (p50 {percentile(tokens, 50)}, "
+          f"max {max(tokens)}; one engine with an endless cache would hit {endless_cache_hits(reqs, model_dir):,}), "
+          f"concurrency {a.concurrency}; 4 engines x {a.blocks} blocks x 32 tokens, model {a.model_size}")
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
+    events = [(free_port(), free_port()) for _ in ROLES]
+    rows: list[dict] = []
+    for folder in (run_dir / "kv", None):  # the P/D fleet, then the aggregated one
+        if folder is not None:
+            folder.mkdir()
+        fleet = Fleet(model_dir, events, run_dir, a.blocks, folder)
+        ours = None
+        try:
+            t0 = time.monotonic()
+            fleet.start(a.startup_timeout)
+            print(f"{'P/D' if folder else 'aggregated'} engines ready in {time.monotonic() - t0:.0f} s; logs in {run_dir}")
+            ours = Ours(fleet, events, model_dir, run_dir, "-pd" if folder else "-agg",
+                        roles=ROLES if folder else None, extra=shlex.split(a.ours_args))
+            ours.start()
+            setups = list(SETUPS) if folder else ["ours_agg"]
+            for rnd in range(a.rounds):
+                k = rnd % len(setups)
+                for setup in setups[k:] + setups[:k]:
+                    rows.append(one_run(setup, rnd, fleet, ours, reqs, a, run_dir))
+                    print_table(HEADERS, [_row(rows[-1])])
+                    sys.stdout.flush()
+        finally:
+            if ours is not None:
+                ours.stop()
+            fleet.stop()
+    print()
+    print("all runs:")
+    print_table(HEADERS, [_row(r) for r in rows])
+    summary = []
+    for setup in (*SETUPS, "ours_agg"):
+        good = [r for r in rows if r["setup"] == setup and "error" not in r and not r.get("invalid")]
+        summary.append({"setup": setup, "runs": len(good), **({k: median([r[k] for r in good]) for k in (
+            "prefill_hit_tokens", "computed_tokens", "ttft_p50_s", "ttft_p90_s", "completed")} if good else {})})
+    print()
+    print(f"medians over valid runs ({a.rounds} round(s)):")
+    print_table(["setup", "runs", "prefill-side hits", "computed", "TTFT p50 ms", "TTFT p90 ms", "completed"],
+                [[s["setup"], s["runs"], *(["-"] * 5 if not s["runs"] else [
+                    f"{s['prefill_hit_tokens']:,.0f}", f"{s['computed_tokens']:,.0f}", _ms(s["ttft_p50_s"]),
+                    _ms(s["ttft_p90_s"]), f"{s['completed']:.0f}"])] for s in summary])
+    bad = [r for r in rows if "error" in r or r.get("invalid")]
+    for r in bad:
+        print(f"\nround {r['round']} {r['setup']}: {r.get('error') or r.get('invalid')}")
+    if a.json:
+        write_json(a.json, {"machine": info, "command": a.command,
+                            "config": {k: v for k, v in vars(a).items() if k != "inner"},
+                            "runs": rows, "summary": summary})
+    return 1 if bad else 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=125)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=48, help="KV blocks per engine (x 32 tokens)")
+    ap.add_argument("--model-size", default="small", help="kvevents.demo.tiny_model size")
+    ap.add_argument("--router-policy", default="cache_aware", help="vllm-router's --policy in PD mode")
+    ap.add_argument("--ours-args", default="", help="more `kvevents serve` flags for ours")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--workdir", default="/tmp/kvevents-bench-pd")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--command", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.inner:
+        sys.exit(inner(a))
+    argv = sys.argv[1:]
+    command = a.command or " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, ROOT)
+                                                           if sys.executable.startswith(str(ROOT)) else sys.executable,
+                                                           "benchmarks/bench_pd.py", *argv])
+    sys.exit(rerun_in_loopback_netns(__file__, [*argv, "--command", command]))
+
+
+if __name__ == "__main__":
+    main()
