@@ -16,6 +16,8 @@ caches. Per round, in a rotating order:
 * ``ours_pd``: ``kvevents serve`` with ``role=prefill`` / ``role=decode`` endpoints
   (its defaults: the prefill hop skipped when the decode engine holds 90% of the prompt
   or lacks fewer than 256 tokens of it);
+* ``ours_pd_always``: another ``kvevents serve`` that never skips the prefill hop
+  (``--pd-skip-uncached-tokens 0 --pd-skip-cached-share 1``), as vllm-router never does;
 * ``vllm_router_pd``: ``vllm-router --vllm-pd-disaggregation --prefill e0 --prefill e1
   --decode e2 --decode e3 --policy cache_aware`` (a fresh process per run).
 
@@ -62,7 +64,9 @@ from common import machine, median, percentile, print_table, rerun_in_loopback_n
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ["prefill", "prefill", "decode", "decode"]
-SETUPS = ("ours_pd", "vllm_router_pd")
+SETUPS = ("ours_pd", "ours_pd_always", "vllm_router_pd")
+#: ours_pd_always: every request takes both hops, as vllm-router's do (no skip)
+ALWAYS = ["--pd-skip-uncached-tokens", "0", "--pd-skip-cached-share", "1"]
 COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "external": "vllm:external_prefix_cache_hits_total",
             "prompt_tokens": "vllm:prompt_tokens_total", "success": "vllm:request_success_total"}
 
@@ -103,7 +107,7 @@ class Fleet:
         for s in self.servers:
             s.stop()
 
-    def reset(self, ours: Ours | None) -> None:
+    def reset(self, ours: list[Ours]) -> None:
         """Empty caches: the engines' prefix caches (published as AllBlocksCleared, which
         vLLM 0.32 sends at its next step: one short request each), the shared folder."""
         urls = [s.url for s in self.servers]
@@ -117,8 +121,8 @@ class Fleet:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder.mkdir()
-        if ours is not None:
-            ours.wait_index_empty()
+        for o in ours:
+            o.wait_index_empty()
 
     def counters(self) -> list[dict[str, float]]:
         out = []
@@ -171,13 +175,13 @@ class VllmRouterPD:
             self.proc.wait(timeout=10)
 
 
-def one_run(setup: str, rnd: int, fleet: Fleet, ours: Ours | None, reqs, a, run_dir: Path) -> dict:
+def one_run(setup: str, rnd: int, fleet: Fleet, ours: dict[str, Ours], reqs, a, run_dir: Path) -> dict:
     row: dict = {"round": rnd, "setup": setup, "requests": len(reqs)}
-    vr = None
+    vr, mine = None, ours.get(setup)
     try:
-        fleet.reset(ours)
-        if setup.startswith("ours"):
-            base, gw_before = ours.url, ours.metrics()
+        fleet.reset(list(ours.values()))
+        if mine is not None:
+            base, gw_before = mine.url, mine.metrics()
         else:
             vr = VllmRouterPD(fleet, run_dir, f"r{rnd}", a.router_policy)
             vr.start()
@@ -208,8 +212,8 @@ def one_run(setup: str, rnd: int, fleet: Fleet, ours: Ours | None, reqs, a, run_
             "ttft_p50_s": percentile(ttft, 50) if ttft else None,
             "ttft_p90_s": percentile(ttft, 90) if ttft else None,
         })
-        if ours is not None and setup.startswith("ours"):
-            text = ours.metrics()
+        if mine is not None:
+            text = mine.metrics()
             row["decisions"] = {r: int(metric_sum(text, "kvevents_gateway_pd_decisions_total", reason=r)
                                        - metric_sum(gw_before, "kvevents_gateway_pd_decisions_total", reason=r))
                                 for r in ("disaggregated", "decode_cached", "short_uncached", "no_prefill",
@@ -267,15 +271,16 @@ def inner(a) -> int:
         if folder is not None:
             folder.mkdir()
         fleet = Fleet(model_dir, events, run_dir, a.blocks, folder)
-        ours = None
+        ours: dict[str, Ours] = {}
         try:
             t0 = time.monotonic()
             fleet.start(a.startup_timeout)
             print(f"{'P/D' if folder else 'aggregated'} engines ready in {time.monotonic() - t0:.0f} s; logs in {run_dir}")
-            ours = Ours(fleet, events, model_dir, run_dir, "-pd" if folder else "-agg",
-                        roles=ROLES if folder else None, extra=shlex.split(a.ours_args))
-            ours.start()
             setups = list(SETUPS) if folder else ["ours_agg"]
+            for setup in (s for s in setups if s.startswith("ours")):
+                ours[setup] = Ours(fleet, events, model_dir, run_dir, f"-{setup}", roles=ROLES if folder else None,
+                                   extra=shlex.split(a.ours_args) + (ALWAYS if setup == "ours_pd_always" else []))
+                ours[setup].start()
             for rnd in range(a.rounds):
                 k = rnd % len(setups)
                 for setup in setups[k:] + setups[:k]:
@@ -283,8 +288,8 @@ def inner(a) -> int:
                     print_table(HEADERS, [_row(rows[-1])])
                     sys.stdout.flush()
         finally:
-            if ours is not None:
-                ours.stop()
+            for o in ours.values():
+                o.stop()
             fleet.stop()
     print()
     print("all runs:")

@@ -1,15 +1,21 @@
 """vLLM's ``ExampleConnector`` with folders that appear whole: a prefill/decode pair over a
 shared folder that holds under concurrency (vLLM 0.32; imports vLLM).
 
-Why: the stock connector writes a prompt's KV straight into its final folder, one file
-per layer, while a consumer takes any folder that exists as a hit and reads every
-layer's file. Two prompts that share their whole blocks (the same system prompt, user
-turns shorter than a block) have the same folder. So a decode engine can read one while
-a prefill engine is still writing or rewriting it: ``FileNotFoundError`` in its worker,
-and the engine dies. Here each step's files go to a private ``NAME.part-*`` folder that
-is renamed to its final name once all layers are written (``wait_for_save``, after the
-step's last layer). A rename is atomic, so a reader sees a folder whole or not at all.
-When another engine published the same folder first (the same KV), the copy is dropped.
+Why: the stock connector kills a decode engine (``FileNotFoundError`` in its worker:
+the engine core dies) in two ways, both met by a chat workload of shared system prompts:
+
+* its hit test looks for the folder of the prompt's whole blocks without its last token,
+  while its load reads the folder of the prompt's whole blocks. The two differ for a
+  prompt of whole blocks (64 tokens: the 32-token folder is tested, the 64-token one
+  read). Another prompt's folder then passes the test, and the load finds no files. Here
+  a hit needs both folders;
+* it writes a prompt's KV straight into its final folder, one file per layer, and two
+  prompts that share their whole blocks share that folder. So a decode engine can read
+  a folder that a prefill engine is still writing. Here each step's files go to a private
+  ``NAME.part-*`` folder, renamed to its final name once all layers are written
+  (``wait_for_save``, after the step's last layer). A rename is atomic, so a reader sees
+  a folder whole or not at all. When another engine published the same folder first
+  (the same KV), the copy is dropped.
 
 Load it with ``"kv_connector": "SharedFolderConnector", "kv_connector_module_path":
 "connector.shared_folder"`` and the stock connector's ``shared_storage_path``
@@ -24,6 +30,7 @@ import shutil
 import tempfile
 from typing import Any
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 
 __all__ = ["SharedFolderConnector"]
@@ -54,6 +61,13 @@ class SharedFolderConnector(ExampleConnector):
             part = self._parts[final] = tempfile.mkdtemp(prefix=os.path.basename(final) + ".part-",
                                                          dir=self._storage_path)
         return os.path.join(part, f"{layer_name}.safetensors")
+
+    def _found_match_for_prompt(self, prompt_token_ids: list[int], mm_hashes: list[str]) -> bool:
+        if not super()._found_match_for_prompt(prompt_token_ids, mm_hashes):
+            return False
+        whole = len(prompt_token_ids) // self._block_size * self._block_size  # (what a load reads)
+        return os.path.exists(self._generate_foldername_debug(
+            torch.tensor(prompt_token_ids)[:whole], mm_hashes, create_folder=False))
 
     def wait_for_save(self) -> None:
         for final, part in self._parts.items():

@@ -113,8 +113,9 @@ class Hop:
 
 
 class Disaggregation:
-    """The gateway's prefill/decode policy (see the module docstring); stateless but for
-    its settings and the metrics it is given."""
+    """The gateway's prefill/decode policy (see the module docstring): its settings, the
+    metrics it is given, and each model's block size as last seen. The event loop's
+    thread only."""
 
     def __init__(self, metrics: GatewayMetrics, skip_cached_share: float = 0.9, skip_uncached_tokens: int = 256,
                  timeout_s: float = 600.0) -> None:
