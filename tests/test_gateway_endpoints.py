@@ -93,6 +93,10 @@ def _plain(messages: list) -> list:
     return out
 
 
+class _Config:
+    max_model_len = 4096
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_responses_input_is_the_chat_vllm_renders(case):
     req = parse_responses(json.dumps({"model": "m", **case}).encode())
@@ -107,9 +111,11 @@ def test_responses_input_is_the_chat_vllm_renders(case):
     assert _plain(ours) == _plain(theirs)
     params = request.build_chat_params(None, "auto")
     options = req.options
-    continued = params.chat_template_kwargs.get("continue_final_message", False)
-    assert (options.continue_final_message if options else False) == continued
-    assert (options.add_generation_prompt if options else True) == params.chat_template_kwargs["add_generation_prompt"]
+    assert options.continue_final_message == params.chat_template_kwargs.get("continue_final_message", False)
+    assert options.add_generation_prompt == params.chat_template_kwargs["add_generation_prompt"]
+    # (vLLM tokenizes a response's text with the special tokens: TokenizeParams' default)
+    assert options.add_special_tokens is True
+    assert request.build_tok_params(_Config()).add_special_tokens is True
     if case.get("reasoning"):
         assert options.reasoning_effort == "low" and options.chat_template_kwargs == {"x": 1, "enable_thinking": True}
 

@@ -297,8 +297,13 @@ class Gateway:
             self._pin(session, engine.name)
         if req.stream and row.streams and upstream.status_code < 400:
             if row.stored:  # (its id is in its first event: relayed through Python, see .responses)
-                self.homes.remember(await first_event_id(upstream, request.scope, request.receive,
-                                                         self.timeout_s), engine.name)
+                try:
+                    rid = await first_event_id(upstream, request.scope, request.receive, self.timeout_s)
+                except BaseException:
+                    upstream.close()
+                    self._finished(engine.name, prefill)
+                    raise
+                self.homes.remember(rid, engine.name)
             return self._stream(upstream, engine.name, model, predicted, prefill, t0, row.ends)
         return await self._whole(request, upstream, engine.name, model, predicted, prefill, t0, row.stored)
 

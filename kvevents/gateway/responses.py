@@ -9,7 +9,8 @@ is a system message; a string ``input`` a user message; a list's items each a me
 first part's), a ``function_call`` a tool call joined to the assistant message before
 it, a ``function_call_output`` a tool message. The last item an assistant's message
 ``in_progress`` or ``incomplete``: the final message is continued, without a generation
-prompt. :func:`parse_responses` builds the same messages, so the gateway's own
+prompt. Unlike a chat completion's, the rendered text is tokenized with the tokenizer's
+special tokens (``add_special_tokens`` true: a Llama tokenizer's BOS is added). :func:`parse_responses` builds the same messages, so the gateway's own
 tokenizer (or an engine's ``/tokenize``) gives the ids the engine computes, and the
 request is routed by its cached prefix like a chat. What it does not render here
 (``tools``, reasoning items, media) is routed by load alone.
@@ -86,12 +87,11 @@ def parse_responses(body: bytes) -> OpenAIRequest:
     messages = _messages(doc.instructions, doc.input)
     if messages is None:
         return req
-    options = _options(doc)
     raw = msgspec.json.encode(messages)
     req.chat, req.messages = decode_chat(raw)
     req.messages_json = raw
-    if options is not None:
-        req.options, req.options_json = options, msgspec.json.encode(options)
+    req.options = _options(doc)
+    req.options_json = msgspec.json.encode(req.options)
     return req
 
 
@@ -141,9 +141,10 @@ def _messages(instructions: str | None, items: str | list[dict[str, Any]]) -> li
     return out + built
 
 
-def _options(doc: _Body) -> ChatOptions | None:
-    """What vLLM renders the messages with besides them (``build_chat_params``), or None
-    for a plain request."""
+def _options(doc: _Body) -> ChatOptions:
+    """What vLLM renders and tokenizes the messages with besides them
+    (``build_chat_params``; ``build_tok_params`` leaves ``add_special_tokens`` at its
+    default, true, where a chat completion's is false: the tokenizer's BOS is added)."""
     items = doc.input
     last = items[-1] if isinstance(items, list) and items else None
     continued = (isinstance(last, dict) and last.get("status") in ("in_progress", "incomplete")
@@ -152,10 +153,8 @@ def _options(doc: _Body) -> ChatOptions | None:
     kwargs = dict(doc.chat_template_kwargs or {})
     if effort is not None:
         kwargs.setdefault("enable_thinking", effort != "none")
-    if not (continued or effort is not None or kwargs):
-        return None
     return ChatOptions(chat_template_kwargs=kwargs or None, add_generation_prompt=not continued,
-                       continue_final_message=continued, reasoning_effort=effort)
+                       continue_final_message=continued, reasoning_effort=effort, add_special_tokens=True)
 
 
 # -- which engine stored a response ------------------------------------------------------------
