@@ -18,6 +18,7 @@ The same endpoints through a real vLLM engine: :mod:`test_gateway_endpoints_vllm
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -270,9 +271,18 @@ def test_follow_up_of_a_response_whose_engine_left_is_vllms_404(served):
         extra.close()
 
 
+def _settled(read, pause: float = 0.3) -> float:
+    """A counter once the counts of answers already written have landed."""
+    last, now = None, read()
+    while now != last:
+        time.sleep(pause)
+        last, now = now, read()
+    return now
+
+
 def test_embeddings_by_load_and_counted(served):
     g, eng = served
-    before = g.metric("kvevents_gateway_requests_total", status="200")
+    before = _settled(lambda: g.metric("kvevents_gateway_requests_total", status="200"))
     client = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0)
     for _ in range(8):
         got = client.embeddings.create(model="fake", input=["a", "b"])

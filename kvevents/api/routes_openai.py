@@ -33,9 +33,21 @@ def _handler(kind: str) -> Callable[[Request], Awaitable[Response]]:
     return handle
 
 
+def _body_schema(prompt_field: str | None) -> dict:
+    """The request body in the OpenAPI schema: a JSON object with the fields the gateway
+    reads (the rest is the engine's)."""
+    schema: dict = {"type": "object", "additionalProperties": True,
+                    "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"}}}
+    if prompt_field is not None:
+        schema["properties"][prompt_field] = {"description": "The prompt."}
+        schema["required"] = [prompt_field]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 for _row in ENDPOINTS.values():
     router.add_api_route(_row.path, _handler(_row.kind), methods=["POST"], responses=_OPENAI_ERRORS,
-                         summary=_row.summary, name=f"openai_{_row.kind}")
+                         summary=_row.summary, name=f"openai_{_row.kind}",
+                         openapi_extra=_body_schema(_row.prompt_field))
 
 
 @router.get("/v1/models", responses=_OPENAI_ERRORS, summary="The models the engines serve")

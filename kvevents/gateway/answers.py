@@ -16,7 +16,7 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvevents.gateway.upstream import UpstreamResponse
+from kvevents.gateway.upstream import TAIL_BYTES, UpstreamResponse
 from kvevents.routing import RouteDecision
 
 __all__ = ["WholeAnswer", "answer_headers", "cached_tokens", "expected_cached", "is_complete",
@@ -77,7 +77,8 @@ _decode_answer = msgspec.json.Decoder(_Answer).decode
 
 
 def cached_tokens(body: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a whole answer, if reported."""
+    """``usage.prompt_tokens_details.cached_tokens`` of a whole answer (a response's:
+    ``usage.input_tokens_details.cached_tokens``), if reported."""
     return _cached_of(body) if b"cached_tokens" in body else None
 
 
@@ -105,7 +106,9 @@ def _cached_in_cut(line: bytes, at: int) -> int | None:
 
 
 def stream_cached_tokens(tail: bytes) -> int | None:
-    """The same, from the last usage chunk of a streamed answer (``include_usage``)."""
+    """The same, from the last usage chunk of a streamed answer (``include_usage``; a
+    Responses stream's ``response.completed`` event, whose start may be past the tail
+    kept: then the count after the key)."""
     at = tail.rfind(b"cached_tokens")  # the last line that has it: no split of the tail
     if at < 0:
         return None
@@ -114,7 +117,8 @@ def stream_cached_tokens(tail: bytes) -> int | None:
     line = tail[start:] if end < 0 else tail[start:end]
     if line.startswith(b"data:"):
         return _cached_of(line[5:])
-    return _cached_in_cut(line, at - start) if start == 0 else None
+    cut = start == 0 and len(tail) >= TAIL_BYTES  # (the tail kept began inside this line)
+    return _cached_in_cut(line, at - start) if cut else None
 
 
 class WholeAnswer(Response):
