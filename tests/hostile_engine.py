@@ -19,6 +19,15 @@ the peak starts again from the streams open now). Each completion request's
 ``{"do_remote_decode": true}`` (a disaggregated request's prefill hop) returns
 ``kv_transfer_params`` shaped as vLLM's NIXL connector returns them.
 
+As vLLM 0.32 answers them: ``POST /v1/responses`` (streamed: ``response.created``, text
+deltas, ``response.completed`` with the usage; each response stored by the engine that
+answered it, whose id names that engine's port; a ``previous_response_id`` it does not
+hold is vLLM's 404; ``fake_cached``: the cached tokens its usage reports),
+``POST /v1/embeddings`` (a two-number vector per input), ``POST /detokenize`` and, with
+``stats.tokenize_prompts`` set (and no tokenizer), ``POST /tokenize`` (a prompt's
+characters as ids). Each of these paths' requests is counted per engine port in
+``stats.paths``.
+
 Several engines (one per port) run on one event loop and are counted together. Run in
 a thread (:class:`EngineThread`, for tests) or as a process (``python
 tests/hostile_engine.py --port P [--port P2]``, for the benchmark). 127.0.0.1 only.
@@ -49,6 +58,9 @@ class Stats:
         self.tokenize = None
         # GET /v1/models' answer (vLLM's carries max_model_len: EngineThread(max_model_len=...))
         self.models = b'{"object":"list","data":[{"id":"fake"}]}'
+        self.stored: dict[int, set[str]] = {}  # port -> the response ids it stored
+        self.paths: dict[tuple[int, str], int] = {}  # (port, path) -> requests
+        self.tokenize_prompts = False  # POST /tokenize of a prompt, without a tokenizer
 
     def as_dict(self) -> dict:
         return {"open": self.open, "peak": self.peak, "started": self.started,
@@ -56,8 +68,9 @@ class Stats:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, stats: Stats) -> None:
+    def __init__(self, stats: Stats, port: int = 0) -> None:
         self.stats = stats
+        self.port = port
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
@@ -130,6 +143,18 @@ class _Conn(asyncio.Protocol):
                 return
             self.stats.tokenized += 1
             self._reply(200, b"application/json", json.dumps({"count": len(ids), "tokens": ids}).encode())
+        elif method == b"POST" and (self.url in _VLLM_PATHS or (
+                self.url == b"/tokenize" and self.stats.tokenize_prompts)):
+            key = (self.port, self.url.decode())
+            self.stats.paths[key] = self.stats.paths.get(key, 0) + 1
+            try:
+                doc = json.loads(b"".join(self.body))
+            except ValueError:
+                doc = None
+            if not isinstance(doc, dict):
+                self._reply(400, b"application/json", _error(400, "invalid JSON body", None))
+            else:
+                getattr(self, "_" + self.url.decode().strip("/").replace("v1/", ""))(doc)
         elif method == b"POST" and self.url in (b"/v1/chat/completions", b"/v1/completions"):
             self.stats.ranks.append(self.rank)
             try:
@@ -140,6 +165,64 @@ class _Conn(asyncio.Protocol):
             self._answer(doc if isinstance(doc, dict) else {})
         else:
             self._reply(404, b"application/json", b'{"error":"not found"}')
+
+    def _responses(self, doc: dict) -> None:
+        store = self.stats.stored.setdefault(self.port, set())
+        prev = doc.get("previous_response_id")
+        if prev is not None and prev not in store:  # vLLM's own answer
+            self._reply(404, b"application/json", _error(404, f"Response with id '{prev}' not found.",
+                                                         "response_id"))
+            return
+        rid = f"resp_{self.port}_{len(store)}"
+        store.add(rid)
+        n = int(doc.get("max_output_tokens") or 4)
+        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": int(doc.get("fake_cached", 0))},
+                 "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 10 + n}
+        text = "ab" * n
+        response = {"id": rid, "created_at": 1, "model": doc.get("model"), "object": "response",
+                    "output": [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+                                "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "status": "completed",
+                    "previous_response_id": prev, "usage": usage}
+        if not doc.get("stream"):
+            self._reply(200, b"application/json", json.dumps(response).encode())
+            return
+        created = dict(response, status="in_progress", output=[], usage=None)
+        item, at = response["output"][0], {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        events = [("response.created", {"response": created}),
+                  ("response.output_item.added", {"output_index": 0, "item": dict(item, content=[],
+                                                                                  status="in_progress")}),
+                  ("response.content_part.added", {**at, "part": part}),
+                  *(("response.output_text.delta", {**at, "delta": "ab", "logprobs": []}) for _ in range(n)),
+                  ("response.output_text.done", {**at, "text": text, "logprobs": []}),
+                  ("response.content_part.done", {**at, "part": dict(part, text=text)}),
+                  ("response.output_item.done", {"output_index": 0, "item": item}),
+                  ("response.completed", {"response": response})]
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+        for seq, (kind, data) in enumerate(events):  # (vLLM writes "type" last)
+            event = b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(
+                {**data, "sequence_number": seq, "type": kind}, separators=(",", ":")).encode())
+            self.transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+        self.transport.write(b"0\r\n\r\n")
+
+    def _embeddings(self, doc: dict) -> None:
+        inputs = doc.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        self._reply(200, b"application/json", json.dumps({
+            "id": "embd-1", "object": "list", "model": doc.get("model"), "created": 1,
+            "data": [{"index": i, "object": "embedding", "embedding": [0.5, -0.5]} for i in range(len(inputs))],
+            "usage": {"prompt_tokens": 3, "total_tokens": 3}}).encode())
+
+    def _tokenize(self, doc: dict) -> None:
+        ids = [ord(c) for c in str(doc.get("prompt", ""))]
+        self._reply(200, b"application/json", json.dumps(
+            {"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None}).encode())
+
+    def _detokenize(self, doc: dict) -> None:
+        self._reply(200, b"application/json", json.dumps(
+            {"prompt": "".join(chr(t) for t in doc.get("tokens") or [])}).encode())
 
     def _reply(self, status: int, ctype: bytes, body: bytes) -> None:
         self.transport.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
@@ -206,11 +289,20 @@ class _Conn(asyncio.Protocol):
         self.timer = loop.call_later(interval, step)
 
 
+_VLLM_PATHS = (b"/v1/responses", b"/v1/embeddings", b"/detokenize")
+
+
+def _error(status: int, message: str, param: str | None) -> bytes:
+    """vLLM's error body."""
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                 "code": status}}).encode()
+
+
 async def serve(ports: list[int], stats: Stats, started: threading.Event | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Serve on every port of ``ports`` (one engine each, counted together in ``stats``)."""
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(lambda: _Conn(stats), "127.0.0.1", port, backlog=4096)
+    servers = [await loop.create_server(lambda p=port: _Conn(stats, p), "127.0.0.1", port, backlog=4096)
                for port in ports]
     if started is not None:
         started.set()

@@ -25,6 +25,7 @@ from kvevents.api.fastpath import LookupFastPath
 from kvevents.api.limits import BodySizeLimit
 from kvevents.discovery import Discovery, build_sources
 from kvevents.gateway import Gateway, GatewayMetrics
+from kvevents.gateway.endpoints import PATHS as OPENAI_PATHS
 from kvevents.routing import KVAwarePolicy, KVRouterConfig, Router
 from kvevents.service.aggregator import Aggregator
 from kvevents.service.metrics.labels import ModelLabels
@@ -91,7 +92,7 @@ def create_app(
     # Loaded now, not in the lifespan: a bad tokenizer path stops startup with its name.
     app.state.tokenizers = TokenizerRegistry.load(settings.tokenizers)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
-                       openai_paths=("/v1/chat/completions", "/v1/completions"))
+                       openai_paths=OPENAI_PATHS)
     app.include_router(routes_ops.router)
     app.include_router(routes_engines.router)
     app.include_router(routes_engines.legacy_router)
@@ -107,7 +108,7 @@ def create_app(
 
 
 #: The endpoints routers and OpenAI clients call per request.
-HOT_PATHS = ("/v1/lookup", "/v1/route", "/v1/chat/completions", "/v1/completions")
+HOT_PATHS = ("/v1/lookup", "/v1/route", *OPENAI_PATHS)
 
 
 def api_routes(routes: list) -> Iterator[APIRoute]:

@@ -1,5 +1,6 @@
-"""uvicorn's HTTP/1.1 protocol with the OpenAI requests (``POST /v1/chat/completions``
-and ``POST /v1/completions``) handed to the gateway from the protocol itself, for
+"""uvicorn's HTTP/1.1 protocol with the OpenAI requests (``POST`` to each path of
+:data:`kvevents.gateway.endpoints.ENDPOINTS`: chat completions, completions, responses,
+embeddings, tokenize, detokenize) handed to the gateway from the protocol itself, for
 ``kvevents serve``.
 
 Why: a proxied request is the gateway's unit of work, and around the gateway's own
@@ -12,7 +13,7 @@ with this connection as its ``receive``/``send`` (:class:`Exchange`): the same h
 answers, errors and accounting as through the app, and a streamed answer still goes
 straight from the engine's connection to this socket (:mod:`kvevents.gateway.relay`).
 
-What is handled here: those two paths (exact, no query) by ``POST``, over HTTP/1.1, with
+What is handled here: those paths (exact, no query) by ``POST``, over HTTP/1.1, with
 a ``Content-Length`` within the body limit (``max_body_bytes``), without
 ``Expect: 100-continue``, on a connection with no response of its own in progress, once
 the app is started. Anything else goes to the app exactly as before (a chunked body, an
@@ -42,12 +43,12 @@ from starlette.requests import Request
 
 from kvevents.api.lookup_protocol import LookupHttpProtocol
 from kvevents.gateway.errors import error_body
-from kvevents.gateway.prompt import CHAT, COMPLETIONS
+from kvevents.gateway.endpoints import ENDPOINTS
 from kvevents.gateway.relay import BODY, DIRECT, GONE
 
 log = logging.getLogger(__name__)
 
-PATHS = {b"/v1/chat/completions": CHAT, b"/v1/completions": COMPLETIONS}
+PATHS = {row.path.encode(): row.kind for row in ENDPOINTS.values()}
 _STATUS: dict[int, bytes] = {}
 
 

@@ -1,38 +1,53 @@
 """The OpenAI-compatible endpoints: thin handlers over :class:`kvevents.gateway.Gateway`.
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed or not) are
-forwarded to the engine the gateway picks, their bytes unchanged; ``GET /v1/models``
-lists what the engines serve. Errors are in OpenAI's shape (``{"error": {...}}``).
+One ``POST`` route per row of :data:`kvevents.gateway.endpoints.ENDPOINTS` (chat
+completions, completions and responses, streamed or not, routed by the prompt's cached
+prefix; embeddings, ``/tokenize`` and ``/detokenize`` by load), each forwarded to the
+engine the gateway picks, its bytes unchanged; ``GET /v1/models`` lists what the engines
+serve. Errors are in OpenAI's shape (``{"error": {...}}``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from fastapi import APIRouter, Request, Response
 
 from kvevents.gateway import Gateway
-from kvevents.gateway.prompt import CHAT, COMPLETIONS
+from kvevents.gateway.endpoints import ENDPOINTS
 
 router = APIRouter(tags=["openai"])
 
 _OPENAI_ERRORS = {code: {"description": what} for code, what in (
     (400, "Bad body (OpenAI error shape; param names the field)"), (401, "Missing or wrong API key"),
-    (404, "No engine serves the model"), (413, "Body too large"),
+    (404, "No engine serves the model (or has the previous response)"), (413, "Body too large"),
     (502, "Every engine tried failed before answering"),
     (503, "No engine reachable, or too many requests in flight (Retry-After)"))}
 
 
-@router.post("/v1/chat/completions", responses=_OPENAI_ERRORS,
-             summary="OpenAI chat completions, routed to the engine that caches most of the prompt")
-async def chat_completions(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    return await gateway.handle(request, CHAT)
+def _handler(kind: str) -> Callable[[Request], Awaitable[Response]]:
+    async def handle(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        return await gateway.handle(request, kind)
+    handle.__name__ = handle.__qualname__ = f"openai_{kind}"
+    return handle
 
 
-@router.post("/v1/completions", responses=_OPENAI_ERRORS,
-             summary="OpenAI completions, routed to the engine that caches most of the prompt")
-async def completions(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    return await gateway.handle(request, COMPLETIONS)
+def _body_schema(prompt_field: str | None) -> dict:
+    """The request body in the OpenAPI schema: a JSON object with the fields the gateway
+    reads (the rest is the engine's)."""
+    schema: dict = {"type": "object", "additionalProperties": True,
+                    "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"}}}
+    if prompt_field is not None:
+        schema["properties"][prompt_field] = {"description": "The prompt."}
+        schema["required"] = [prompt_field]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+for _row in ENDPOINTS.values():
+    router.add_api_route(_row.path, _handler(_row.kind), methods=["POST"], responses=_OPENAI_ERRORS,
+                         summary=_row.summary, name=f"openai_{_row.kind}",
+                         openapi_extra=_body_schema(_row.prompt_field))
 
 
 @router.get("/v1/models", responses=_OPENAI_ERRORS, summary="The models the engines serve")

@@ -9,8 +9,12 @@ Files::
     relay.py    a streamed answer as one response owning the engine's stream and the
                 request's slot to its last byte; chunks written to the client's socket
                 as the engine sends them (kvevents serve), else through ASGI send
+    endpoints.py  the OpenAI endpoints, one row per path (parser, prompt field, routing,
+                streaming, end marker, usage): what every list of paths reads
     prompt.py   what the gateway reads of a body (model, stream, prompt) and the
                 prompt's token ids (local tokenizer, else the engine's /tokenize)
+    responses.py  the Responses API: its input as the chat vLLM renders, and the engine
+                that stored each response (previous_response_id follow-ups go there)
     load.py     each engine's load: first-hand in-flight requests and uncomputed prompt
                 tokens, plus the engine's own /metrics (polled for three gauges by
                 name; more often while routing, if so set); reachability

@@ -49,7 +49,7 @@ from kvevents.gateway.answers import cached_tokens, expected_cached
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.metrics import PD_REASONS, GatewayMetrics
-from kvevents.gateway.prompt import OpenAIRequest
+from kvevents.gateway.prompt import CHAT, COMPLETIONS, OpenAIRequest
 from kvevents.gateway.relay import read_whole
 from kvevents.gateway.upstream import UpstreamError, UpstreamResponse
 from kvevents.routing import RouteDecision
@@ -67,6 +67,9 @@ FALLBACKS = ("no_prefill", "prefill_failed")
 #: for a remote decode, and return where they are.
 _PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+#: The endpoints served in two hops: vLLM's disaggregated serving takes
+#: ``kv_transfer_params`` on these (the Responses API, embeddings and tokenizing go whole).
+DISAGGREGATED = (CHAT, COMPLETIONS)
 _TRIES = 2  # prefill engines tried before the decode engine computes the prompt itself
 
 
@@ -131,11 +134,12 @@ class Disaggregation:
     # -- pools --------------------------------------------------------------------------
 
     @staticmethod
-    def pools(targets: Sequence[EngineSpec], reachable: Sequence[EngineSpec]) -> Pools | None:
-        """The pools of a model whose ``targets`` include a prefill engine, else None (it
-        is served whole by every target). No reachable decode engine: the OpenAI 503
-        with ``Retry-After`` (a prefill engine cannot answer a request by itself)."""
-        if not any(s.role == "prefill" for s in targets):
+    def pools(targets: Sequence[EngineSpec], reachable: Sequence[EngineSpec], kind: str) -> Pools | None:
+        """The pools of a completion or chat completion (``kind``) for a model whose
+        ``targets`` include a prefill engine, else None (it is served whole by every
+        target, as any other endpoint's request is). No reachable decode engine: the
+        OpenAI 503 with ``Retry-After`` (a prefill engine answers the first hop only)."""
+        if kind not in DISAGGREGATED or not any(s.role == "prefill" for s in targets):
             return None
         decode = [s for s in reachable if s.role != "prefill"]
         if not decode:

@@ -34,10 +34,10 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from kvevents.gateway.upstream import UpstreamResponse, _Connection
-from kvevents.gateway.upstream_errors import (UpstreamAborted, UpstreamConnectError,
+from kvevents.gateway.upstream_errors import (UpstreamAborted, UpstreamConnectError, UpstreamError,
                                               UpstreamProtocolError, UpstreamTimeout)
 
-__all__ = ["UpstreamPool"]
+__all__ = ["UpstreamPool", "retry_reason"]
 
 
 class UpstreamPool:
@@ -217,3 +217,15 @@ def _latin1(text: bytes | str) -> bytes:
 def _close_opened(opening: asyncio.Future) -> None:
     if not opening.cancelled() and opening.exception() is None:
         opening.result().close()
+
+
+def retry_reason(upstream: UpstreamResponse | UpstreamError, tried: set[str], engines: int) -> str | None:
+    """Why to send a request again to another engine, or None: once at most, and only
+    when another of its ``engines`` is left and nothing reached the client yet."""
+    if tried or engines < 2:
+        return None
+    if isinstance(upstream, (UpstreamConnectError, UpstreamProtocolError)):
+        return "connect"
+    if isinstance(upstream, UpstreamResponse) and upstream.status_code >= 500:
+        return "5xx"
+    return None

@@ -36,13 +36,19 @@ log = logging.getLogger(__name__)
 
 CHAT = "chat"
 COMPLETIONS = "completions"
+RESPONSES = "responses"  # rendered as a chat (see .responses)
+EMBEDDINGS = "embeddings"
+TOKENIZE = "tokenize"
+DETOKENIZE = "detokenize"
+#: The kinds whose prompt is chat messages (rendered by the model's chat template).
+MESSAGES = (CHAT, RESPONSES)
 
 
 @dataclass
 class OpenAIRequest:
     """What the gateway reads of a body (the body itself is forwarded unchanged)."""
 
-    kind: str  # CHAT or COMPLETIONS
+    kind: str  # CHAT, COMPLETIONS, RESPONSES (a chat), or a passed-through one
     body: bytes
     model: str | None
     stream: bool
@@ -64,6 +70,8 @@ class OpenAIRequest:
     # first media part ("image", "audio", "video": routed by the text before it), or
     # "prompt_embeds" (a completion without a prompt: no ids, by load alone); None: whole.
     partial: str | None = None
+    # responses: the stored response this one follows (answered by the engine that has it)
+    previous_response_id: str | None = None
 
     def plain_messages(self) -> list[dict[str, Any]] | None:
         """The chat messages as decoded JSON, as the body wrote them."""
@@ -132,17 +140,7 @@ def _parse(kind: str, body: bytes) -> OpenAIRequest:
     req = OpenAIRequest(kind, body, doc.model, bool(doc.stream), cache_salt=doc.cache_salt or None)
     if kind == CHAT:
         raw = doc.messages
-        # Straight into ChatMessage structs (what the chat template renders), one pass in
-        # C; messages it does not describe are read as plain objects instead.
-        chat = messages = None
-        if len(raw):
-            try:
-                chat = _chat.decode(raw)
-            except msgspec.ValidationError:
-                try:
-                    messages = _messages.decode(raw)
-                except msgspec.ValidationError:
-                    pass
+        chat, messages = decode_chat(raw)
         if not chat and not messages:
             raise OpenAIError(400, "messages must be a non-empty array of objects", "messages")
         req.chat, req.messages = chat, messages
@@ -157,6 +155,21 @@ def _parse(kind: str, body: bytes) -> OpenAIRequest:
         req.prompt = _first_prompt(doc.prompt)
         req.add_special_tokens = doc.add_special_tokens is not False
     return req
+
+
+def decode_chat(raw: bytes | msgspec.Raw) -> tuple[list[ChatMessage] | None, list[dict[str, Any]] | None]:
+    """Chat messages straight into ChatMessage structs (what the chat template renders),
+    one pass in C; messages it does not describe are read as plain objects instead
+    (``(None, dicts)``); neither: ``(None, None)``."""
+    if len(raw):
+        try:
+            return _chat.decode(raw), None
+        except msgspec.ValidationError:
+            try:
+                return None, _messages.decode(raw)
+            except msgspec.ValidationError:
+                pass
+    return None, None
 
 
 def _options(req: OpenAIRequest, doc: _Body) -> None:
@@ -180,6 +193,43 @@ def _options(req: OpenAIRequest, doc: _Body) -> None:
             req.messages = msgspec.json.decode(req.messages_json)
             req.chat = None
         log.debug("chat options the gateway does not read (%s); the engine's /tokenize tokenizes it", exc)
+
+
+class _Passed(msgspec.Struct):
+    """What the gateway reads of a passed-through body: the model, and whether the
+    field the engine needs is there."""
+
+    model: str | None = None
+    input: msgspec.Raw = msgspec.Raw()
+    tokens: msgspec.Raw = msgspec.Raw()
+
+
+_passed = msgspec.json.Decoder(_Passed)
+
+
+def parse_passthrough(kind: str, required: str | None, body: bytes) -> OpenAIRequest:
+    """A body passed through as it is (embeddings, tokenize, detokenize): its model, and a
+    400 naming ``required`` (a field of :class:`_Passed`) when it is missing; the rest
+    is the engine's to check."""
+    try:
+        doc = _passed.decode(body)
+    except msgspec.ValidationError as exc:
+        raise OpenAIError(400, f"invalid request: {exc}", "model" if "$.model" in str(exc) else None) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise OpenAIError(400, f"request body is not a JSON object: {exc}") from None
+    if required is not None and bytes(getattr(doc, required)) in (b"", b"null"):
+        raise OpenAIError(400, f"{required} is required", required)
+    return OpenAIRequest(kind, body, doc.model, False)
+
+
+def prompt_chars(req: OpenAIRequest) -> int:
+    """Characters of a request's prompt text: a completion's string prompt, or every
+    string in the chat messages (contents, content parts, tool calls' arguments, names:
+    whatever a chat template may render), as :func:`~kvevents.text.limits.text_chars`
+    counts them for ``/v1/lookup`` and ``/v1/route``. One step per string."""
+    if req.kind not in MESSAGES:
+        return len(req.prompt) if isinstance(req.prompt, str) else 0
+    return text_chars(req.chat if req.chat is not None else req.messages)
 
 
 def _first_prompt(raw: msgspec.Raw) -> str | list[int]:
@@ -258,6 +308,8 @@ class PromptTokens:
         local tokenizer, and for the parity checks (:mod:`.parity`)."""
         if req.kind == COMPLETIONS and isinstance(req.prompt, list):
             return req.prompt
+        if req.kind == RESPONSES and not req.messages_json:
+            return None  # a response not rendered here (see .responses): by load alone
         if req.partial == PROMPT_EMBEDS:
             return None  # no ids: routed by load alone (see .media)
         tok = self.tokenizers.get(req.model)
@@ -358,7 +410,7 @@ class PromptTokens:
     async def _ask(self, req: OpenAIRequest, engine_url: str) -> list[int] | None:
         """The engine's ``/tokenize`` ids for the request (None: it could not say)."""
         payload: dict[str, Any] = {"model": req.model} if req.model else {}
-        if req.kind == CHAT:
+        if req.kind in MESSAGES:
             payload["messages"] = req.plain_messages()
             if req.options_json:  # what /tokenize takes of the other fields (vLLM 0.32)
                 opts = msgspec.json.decode(req.options_json)

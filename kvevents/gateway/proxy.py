@@ -1,7 +1,9 @@
 """The KV-aware OpenAI gateway: each request routed by the in-process index and the
 engines' load, forwarded byte for byte, streamed back, and accounted.
 
-Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
+Per request (each endpoint of :mod:`.endpoints`: ``POST /v1/chat/completions``,
+``/v1/completions``, ``/v1/responses``, and, routed by load alone, ``/v1/embeddings``,
+``/tokenize``, ``/detokenize``):
 
 1. the bearer token (``api_key``), then the concurrency bound (``max_inflight``: past
    it, 503 with ``Retry-After``): the request holds its slot from here, before its body
@@ -13,7 +15,8 @@ Per request (``POST /v1/chat/completions`` or ``/v1/completions``):
 2. the targets: followed engines with an ``http`` URL serving the model (or adapter:
    :mod:`.catalog`, which also gives the prompt's identity with its ``cache_salt``),
    reachable (:mod:`.load`); none: 503 with ``Retry-After``;
-3. the prompt's token ids, the session pin (``x-session-id``: a conversation stays on
+3. the prompt's token ids, the stored response a Responses follow-up names (its engine:
+   :mod:`.responses`), the session pin (``x-session-id``: a conversation stays on
    its engine while that engine is a target and not overloaded), else the policy's
    choice (:class:`~kvevents.routing.Router`: longest cached prefix per tier against
    load; engines whose event stream is down are chosen only when all are);
@@ -54,6 +57,7 @@ from kvevents.gateway.answers import (WholeAnswer, answer_headers, cached_tokens
                                       stream_cached_tokens)
 from kvevents.gateway.catalog import ModelCatalog, identity_digest
 from kvevents.gateway.disagg import Disaggregation, Hop
+from kvevents.gateway.endpoints import ENDPOINTS, Endpoint
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.headers import DROP as _DROP, DROP_KEYED as _DROP_KEYED, with_rank
 from kvevents.gateway.inflight import InflightPrompts
@@ -61,11 +65,12 @@ from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.memory import MemoryTrim
 from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.parity import TokenParity
-from kvevents.gateway.pool import UpstreamPool
-from kvevents.gateway.prompt import CHAT, OpenAIRequest, PromptTokens, parse_request, prompt_chars
+from kvevents.gateway.pool import UpstreamPool, retry_reason
+from kvevents.gateway.prompt import MESSAGES, OpenAIRequest, PromptTokens, prompt_chars
 from kvevents.gateway.relay import Relay, body_now, client_gone, read_whole
+from kvevents.gateway.responses import ResponseHomes, first_event_id, response_id
 from kvevents.gateway.upstream import (UpstreamAborted, UpstreamConnectError, UpstreamError,
-                                       UpstreamProtocolError, UpstreamResponse, UpstreamTimeout)
+                                       UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router
 from kvevents.text import TokenizerRegistry
 from kvevents.text.limits import chars_limit, check_chars
@@ -73,7 +78,7 @@ from kvevents.text.prompt import InputError, check_length
 
 log = logging.getLogger(__name__)
 
-PATHS = {CHAT: "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS = {row.kind: row.path for row in ENDPOINTS.values()}
 _SESSIONS = 100_000  # conversations remembered (least recently used forgotten first)
 
 
@@ -101,6 +106,7 @@ class Gateway:
         self.loads = EngineLoads(prefill_tokens_per_request)
         self.flights = InflightPrompts()  # prompts sent and not finished, per engine
         self.sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.homes = ResponseHomes()  # stored responses' engines
         self.inflight = 0  # requests holding a slot (admitted, last byte not yet sent)
         self.trim = MemoryTrim(lambda: self.inflight)  # freed memory back to the OS after a burst
         self.client: httpx.AsyncClient | None = None  # polls, /tokenize, /v1/models
@@ -196,13 +202,14 @@ class Gateway:
         req: OpenAIRequest | None = None
         try:
             try:
-                body = body_now(request)
+                body = body_now(request.scope)
                 if body is None:
                     body = await request.body()
             except ClientDisconnect:  # left mid-upload (or timed out by the server)
                 raise OpenAIError(499, "client closed the request while sending its body") from None
-            req = parse_request(kind, body)
-            response = await self._serve(request, req, t0)
+            row = ENDPOINTS[kind]
+            req = row.parse(body)
+            response = await self._serve(request, req, row, t0)
             relayed = isinstance(response, Relay)
             return response
         except (OpenAIError, InputError) as exc:  # (InputError: the prompt's limits)
@@ -214,20 +221,20 @@ class Gateway:
                 self.inflight -= 1
                 self.trim.ended()
 
-    def _check_chars(self, req: OpenAIRequest, model: str | None) -> None:
+    def _check_chars(self, req: OpenAIRequest, model: str | None, field: str) -> None:
         """The lookup API's 400 (:mod:`kvevents.text.limits`) for a prompt with more
         characters than ``max_prompt_chars``, or than ``model``'s context (``max_model_len``,
         within ``max_prompt_tokens``) can hold, before tokenizing it (~150 MB per million
         characters). A chat whose JSON is within the limit is not counted: O(1)."""
         ctx = min(self.catalog.context_len(model) or self.max_prompt_tokens, self.max_prompt_tokens)
-        if req.kind == CHAT and len(req.messages_json) <= min(ctx, self.max_prompt_chars):
+        if req.kind in MESSAGES and len(req.messages_json) <= min(ctx, self.max_prompt_chars):
             return  # a JSON text's strings hold no more characters than its bytes
         tok = self.tokenizers.get(model)
         limit, why = chars_limit(self.max_prompt_chars, ctx, tok and tok.max_token_chars(),
                                  "max_model_len" if ctx < self.max_prompt_tokens else "max_prompt_tokens")
-        check_chars(None, limit, "messages" if req.kind == CHAT else "prompt", why, prompt_chars(req))
+        check_chars(None, limit, field, why, prompt_chars(req))
 
-    async def _serve(self, request: Request, req: OpenAIRequest, t0: float) -> Response:
+    async def _serve(self, request: Request, req: OpenAIRequest, row: Endpoint, t0: float) -> Response:
         model = self._model_of(req)
         targets = self.targets(model)
         if not targets:
@@ -235,26 +242,21 @@ class Gateway:
                                    f"{', '.join(self.served_models()) or 'none'})", "model",
                               code="model_not_found")
         reachable = [s for s in targets if self.loads.of(s.name).reachable]
-        pools = self.pd.pools(targets, reachable)  # (None: not disaggregated)
+        pools = self.pd.pools(targets, reachable, req.kind)  # (None: not disaggregated)
         reachable = reachable if pools is None else pools.decode
         if not reachable:
             raise OpenAIError(503, "no engine for this model is reachable now; retry shortly",
                               headers={"Retry-After": "2"})
+        reachable = self.homes.targets(req, targets, reachable)  # (a stored response's engine)
         by_name = {s.name: s for s in reachable}
         base, lora = self.catalog.identity(model, reachable)
         ident = identity_digest(lora, req.cache_salt)  # keys its prompt in flight
-        self._check_chars(req, base if lora else model)
-        assert self.tokens is not None
-        try:
-            treq = req if lora is None or base is None else dataclasses.replace(req, model=base)
-            ids = await self.tokens.ids(treq, reachable[0].http, reachable[0].name)
-        except Exception:  # noqa: BLE001 - routing must never be why a request fails
-            log.exception("tokenizing a %s request failed; routing it by load alone", req.kind)
-            ids = None
-        if ids is None or req.partial:  # no ids, or a part's (a chat's media, prompt embeds)
-            self.metrics.unscored(req.partial)
+        ids = None
+        if row.affinity and req.previous_response_id is None:  # (else: by load, or pinned)
+            self._check_chars(req, base if lora else model, row.prompt_field or "prompt")
+            ids = await self._ids(req, base, lora, reachable[0])
         if ids is not None:  # (the same 400 as the characters' and the lookup API's)
-            check_length(ids, self.max_prompt_tokens, "messages" if req.kind == CHAT else "prompt")
+            check_length(ids, self.max_prompt_tokens, row.prompt_field or "prompt")
         drop = _DROP_KEYED if self.api_key else _DROP  # (the gateway's key stays here)
         raw = request.scope["headers"]  # lowercase names (ASGI)
         headers = [(k, v) for k, v in raw if k not in drop]
@@ -284,7 +286,7 @@ class Gateway:
             except BaseException:
                 self._landed(engine.name, flight)
                 raise
-            retry = self._retry_reason(upstream, tried, by_name)
+            retry = retry_reason(upstream, tried, len(by_name))
             if retry is None:
                 break
             self._landed(engine.name, flight)
@@ -305,10 +307,32 @@ class Gateway:
             self.catalog.stale(engine.name)
         if session:
             self._pin(session, engine.name)
-        if req.stream and upstream.status_code < 400:
-            return self._stream(upstream, engine.name, model, predicted, prefill, t0, hop)
+        if req.stream and row.streams and upstream.status_code < 400:
+            if row.stored:  # (its id is in its first event: relayed through Python, see .responses)
+                try:
+                    rid = await first_event_id(upstream, request.scope, request.receive, self.timeout_s)
+                except BaseException:
+                    upstream.close()
+                    self._finished(engine.name, prefill)
+                    raise
+                self.homes.remember(rid, engine.name)
+            return self._stream(upstream, engine.name, model, predicted, prefill, t0, row.ends, hop)
         self.pd.first_byte(hop, model)  # (a whole answer's: its head)
-        return await self._whole(request, upstream, engine.name, model, predicted, prefill, t0)
+        return await self._whole(request, upstream, engine.name, model, predicted, prefill, t0, row.stored)
+
+    async def _ids(self, req: OpenAIRequest, base: str | None, lora: str | None,
+                   engine: EngineSpec) -> Sequence[int] | None:
+        """The prompt's ids (None: routed by load alone, counted as such)."""
+        assert self.tokens is not None
+        try:
+            treq = req if lora is None or base is None else dataclasses.replace(req, model=base)
+            ids = await self.tokens.ids(treq, engine.http, engine.name)
+        except Exception:  # noqa: BLE001 - routing must never be why a request fails
+            log.exception("tokenizing a %s request failed; routing it by load alone", req.kind)
+            ids = None
+        if ids is None or req.partial:  # no ids, or a part's (a chat's media, prompt embeds)
+            self.metrics.unscored(req.partial)
+        return ids
 
     def _model_of(self, req: OpenAIRequest) -> str | None:
         if req.model is not None:
@@ -386,18 +410,6 @@ class Gateway:
         finally:
             gone.cancel()
 
-    def _retry_reason(self, upstream: UpstreamResponse | UpstreamError, tried: set[str],
-                      by_name: dict[str, EngineSpec]) -> str | None:
-        """Why to send the request again to another engine, or None: once at most, and
-        only when another engine is left and nothing reached the client yet."""
-        if tried or len(by_name) < 2:
-            return None
-        if isinstance(upstream, (UpstreamConnectError, UpstreamProtocolError)):
-            return "connect"
-        if isinstance(upstream, UpstreamResponse) and upstream.status_code >= 500:
-            return "5xx"
-        return None
-
     def _landed(self, engine: str, flight: list[tuple[int, tuple | None]]) -> None:
         """:meth:`_finished` for a request whose ``on_way`` may not have been told."""
         for prefill in flight:
@@ -417,8 +429,8 @@ class Gateway:
         if usage is not None:
             self.loads.of(engine).count_cached(*usage)
 
-    async def _whole(self, request: Request, upstream: UpstreamResponse, engine: str,
-                     model: str | None, predicted: int, prefill: tuple, t0: float) -> Response:
+    async def _whole(self, request: Request, upstream: UpstreamResponse, engine: str, model: str | None,
+                     predicted: int, prefill: tuple, t0: float, stored: bool = False) -> Response:
         """A non-streamed answer (or an engine's error), read whole while watching the
         client; taken at once when it came with its head (the common case: no task)."""
         body = upstream.body_now()
@@ -440,11 +452,14 @@ class Gateway:
                 self._finished(engine, prefill)
             cached = cached_tokens(body) if status < 400 else None
             self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+            if stored and status < 400:  # (a Responses answer: its id stored there)
+                self.homes.remember(response_id(body), engine)
 
         return WholeAnswer(body, status, answer_headers(upstream, engine), after)
 
     def _stream(self, upstream: UpstreamResponse, engine: str, model: str | None,
-                predicted: int, prefill: tuple, t0: float, hop: Hop | None = None) -> Relay:
+                predicted: int, prefill: tuple, t0: float, ends: tuple[bytes, ...],
+                hop: Hop | None = None) -> Relay:
         """A streamed answer, relayed as the engine sends it; the relay's end releases
         the request's slot and load and counts it (see :mod:`.relay`)."""
         def first() -> None:
@@ -458,7 +473,7 @@ class Gateway:
             cached = stream_cached_tokens(tail) if status < 400 else None
             self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
 
-        return Relay(upstream, answer_headers(upstream, engine), engine, first, end)
+        return Relay(upstream, answer_headers(upstream, engine), engine, first, end, ends)
 
     # -- models -----------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvevents.gateway.answers import is_complete
+from kvevents.gateway.answers import DONE, is_complete
 from kvevents.gateway.errors import OpenAIError, error_body
 from kvevents.gateway.upstream import TAIL_BYTES, UpstreamError, UpstreamResponse
 
@@ -108,11 +108,14 @@ async def read_whole(request: Request, upstream: UpstreamResponse, engine: str,
 class Relay(Response):
     """See the module docstring. ``on_first()``: the first body byte arrived (TTFT);
     ``on_end(status, tail)``: the status to count (499: the client left first, 502: the
-    engine broke off) and the answer's last :data:`USAGE_TAIL` bytes."""
+    engine broke off) and the answer's last :data:`USAGE_TAIL` bytes. ``ends``: the
+    endpoint's end markers (see :func:`~.answers.is_complete`)."""
 
     def __init__(self, upstream: UpstreamResponse, headers: dict[str, str], engine: str,
-                 on_first: Callable[[], None], on_end: Callable[[int, bytes], None]) -> None:
+                 on_first: Callable[[], None], on_end: Callable[[int, bytes], None],
+                 ends: tuple[bytes, ...] = DONE) -> None:
         self.upstream = upstream
+        self.ends = ends
         self.status_code = upstream.status_code
         self.background = None
         self.init_headers(headers)
@@ -154,7 +157,7 @@ class Relay(Response):
                 tail = await self._through(send, gone)
             # An engine that broke off after its [DONE] had written its whole answer: the
             # client has it, so its stream ends as a whole one does (nothing after [DONE]).
-            broke = up.error is not None and not is_complete(tail)
+            broke = up.error is not None and not is_complete(tail, self.ends)
             if broke and not gone.done() and self._cut:
                 # The engine broke off inside a chunk that was partly sent: nothing can
                 # follow it in the stream; the client sees its answer cut short.
@@ -170,12 +173,12 @@ class Relay(Response):
                 await send({"type": "http.response.body", "more_body": True, "body": b"data: " + error_body(
                     502, f"engine {self.engine} broke off its answer: {up.error}") + b"\n\n"})
             if gone.done():
-                if not is_complete(tail):
+                if not is_complete(tail, self.ends):
                     status = 499
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except BaseException:  # cancelled, or the server's send failed: the client is gone
-            if not is_complete(tail):
+            if not is_complete(tail, self.ends):
                 status = 499
             raise
         finally:
@@ -279,8 +282,8 @@ async def _disconnected(receive: Receive) -> None:
             return
 
 
-def body_now(request: Request) -> bytes | None:
+def body_now(scope: Scope) -> bytes | None:
     """The request's body if the server holds it whole already (kvevents' own protocol:
     no async generator and turn of the loop to read it), else None."""
-    take = request.scope.get("extensions", {}).get(BODY)
+    take = scope.get("extensions", {}).get(BODY)
     return None if take is None else take()

@@ -161,6 +161,20 @@ class UpstreamResponse:
         self._wake()  # already ended: on_end now
         return pump
 
+    async def peek(self, marker: bytes, limit: int) -> bytes:
+        """The body's first bytes, left unread, once they hold ``marker`` or ``limit``
+        bytes or the answer ended: for a reader that must see a stream's first event
+        before relaying it (the body is then read by the parser, not pumped)."""
+        self._unhold()
+        while True:
+            head = b"".join(self._chunks)
+            if (marker in head or len(head) >= limit or self._complete or self._closed
+                    or self._error is not None):
+                return head
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
+            self._wakeup = None
+
     def _unhold(self) -> None:
         """The body read another way than pumped: what the pump kept goes through the
         connection's parser, and the connection reads again."""
