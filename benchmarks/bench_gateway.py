@@ -101,7 +101,7 @@ import httpx  # noqa: E402
 
 from chat_workloads import (ChatRequest, build_agent_workload, build_tenant_workload,  # noqa: E402
                             build_workload, endless_cache_hits)
-from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
+from common import machine, median, percentile, print_table, main_in_loopback_netns, write_json  # noqa: E402
 
 from kvevents.demo import chat_templates  # noqa: E402
 
@@ -809,13 +809,7 @@ def main() -> None:
         a.template = "tools" if a.workload == "agent" else "model"
     if a.smoke:
         a.rounds, a.requests, a.latency_probes = 1, 20, 20
-    if a.inner:
-        sys.exit(inner(a))
-    argv = sys.argv[1:]
-    command = a.command or " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, ROOT)
-                                                           if sys.executable.startswith(str(ROOT)) else sys.executable,
-                                                           "benchmarks/bench_gateway.py", *argv])
-    sys.exit(rerun_in_loopback_netns(__file__, [*argv, "--command", command]))
+    main_in_loopback_netns(__file__, a, inner)
 
 
 if __name__ == "__main__":

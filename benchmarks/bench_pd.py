@@ -60,7 +60,9 @@ import httpx  # noqa: E402
 from bench_gateway import (MAX_MODEL_LEN, MODEL, BenchError, Ours, _tail, engine_busy,  # noqa: E402
                            metric_sum, run_workload, wait_until)
 from chat_workloads import build_workload, endless_cache_hits  # noqa: E402
-from common import machine, median, percentile, print_table, rerun_in_loopback_netns, write_json  # noqa: E402
+from kvevents.demo.vllm_server import VllmFleet  # noqa: E402
+
+from common import machine, median, percentile, print_table, main_in_loopback_netns, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ["prefill", "prefill", "decode", "decode"]
@@ -71,41 +73,23 @@ COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "external": "vllm:external_p
             "prompt_tokens": "vllm:prompt_tokens_total", "success": "vllm:request_success_total"}
 
 
-class Fleet:
-    """Four vLLM servers, P/D (``folder`` the shared KV folder) or aggregated (None)."""
+class Fleet(VllmFleet):
+    """Four vLLM servers, P/D (``folder`` the shared KV folder) or aggregated (None),
+    their logs in ``log_dir``."""
 
-    def __init__(self, model_dir: Path, events: list[tuple[int, int]], run_dir: Path, blocks: int,
+    def __init__(self, model_dir: Path, events: list[tuple[int, int]], log_dir: Path, blocks: int,
                  folder: Path | None) -> None:
         from kvevents.demo.pd_engines import transfer_args
-        from kvevents.demo.vllm_server import VllmServer
 
-        env = dict(os.environ, PYTHONHASHSEED="0")
-        tag = "pd" if folder else "agg"
-        self.servers = [VllmServer(
-            model_dir, endpoint=f"tcp://*:{live}", replay_endpoint=f"tcp://*:{replay}", core=i,
-            log=run_dir / f"vllm-{tag}-{i}.log", served_model_name=MODEL, num_gpu_blocks=blocks,
-            max_model_len=MAX_MODEL_LEN, env=env,
-            extra_args=["--enable-scale-out", *(transfer_args(role, folder, atomic=True) if folder else [])])
-            for i, ((live, replay), role) in enumerate(zip(events, ROLES))]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(model_dir, [(f"tcp://*:{live}", f"tcp://*:{replay}") for live, replay in events],
+                         log_dir=log_dir, served_model_name=MODEL, num_gpu_blocks=blocks,
+                         max_model_len=MAX_MODEL_LEN, env=dict(os.environ, PYTHONHASHSEED="0"),
+                         extra_args=["--enable-scale-out"])
+        for server, role in zip(self.servers, ROLES):
+            if folder is not None:
+                server.extra_args += transfer_args(role, folder, atomic=True)
         self.folder = folder
-
-    def __len__(self) -> int:
-        return len(self.servers)
-
-    def start(self, timeout: float) -> Fleet:
-        for s in self.servers:
-            s.start()
-        try:
-            for s in self.servers:
-                s.wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.stop()
 
     def reset(self, ours: list[Ours]) -> None:
         """Empty caches: the engines' prefix caches (published as AllBlocksCleared, which
@@ -270,11 +254,11 @@ def inner(a) -> int:
     for folder in (run_dir / "kv", None):  # the P/D fleet, then the aggregated one
         if folder is not None:
             folder.mkdir()
-        fleet = Fleet(model_dir, events, run_dir, a.blocks, folder)
+        fleet = Fleet(model_dir, events, run_dir / ("pd" if folder else "agg"), a.blocks, folder)
         ours: dict[str, Ours] = {}
         try:
             t0 = time.monotonic()
-            fleet.start(a.startup_timeout)
+            fleet.start().wait_ready(a.startup_timeout)
             print(f"{'P/D' if folder else 'aggregated'} engines ready in {time.monotonic() - t0:.0f} s; logs in {run_dir}")
             setups = list(SETUPS) if folder else ["ours_agg"]
             for setup in (s for s in setups if s.startswith("ours")):
@@ -332,13 +316,7 @@ def main() -> None:
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--command", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.inner:
-        sys.exit(inner(a))
-    argv = sys.argv[1:]
-    command = a.command or " ".join(shlex.quote(x) for x in [os.path.relpath(sys.executable, ROOT)
-                                                           if sys.executable.startswith(str(ROOT)) else sys.executable,
-                                                           "benchmarks/bench_pd.py", *argv])
-    sys.exit(rerun_in_loopback_netns(__file__, [*argv, "--command", command]))
+    main_in_loopback_netns(__file__, a, inner)
 
 
 if __name__ == "__main__":

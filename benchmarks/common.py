@@ -74,6 +74,20 @@ def rerun_in_loopback_netns(script: str, args: list[str]) -> int:
     return subprocess.call(["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + shlex.join(argv)])
 
 
+def main_in_loopback_netns(script: str, a, inner) -> None:
+    """A benchmark's main: ``inner(a)`` when run inside already (``a.inner``), else
+    ``script`` again inside ``unshare -n`` (:func:`rerun_in_loopback_netns`), told the
+    command line it was given (``--command``, printed with its figures); exits with the
+    status."""
+    if a.inner:
+        sys.exit(inner(a))
+    argv = sys.argv[1:]
+    root = Path(script).resolve().parent.parent
+    exe = os.path.relpath(sys.executable, root) if sys.executable.startswith(str(root)) else sys.executable
+    command = a.command or " ".join(shlex.quote(x) for x in [exe, os.path.relpath(script, root), *argv])
+    sys.exit(rerun_in_loopback_netns(script, [*argv, "--command", command]))
+
+
 def gil_holds(metrics_text: str) -> dict[float, int]:
     """``kvevents_ingest_gil_hold_seconds``' cumulative bucket counts by bound, from a
     ``/metrics`` page (empty for a server without it)."""

@@ -71,7 +71,8 @@ GONE = "kvevents.gone"
 #: whole body if it has all arrived (taken: ``receive`` will not give it again), else None.
 BODY = "kvevents.body"
 
-__all__ = ["BODY", "DIRECT", "GONE", "Relay", "USAGE_TAIL", "body_now", "client_gone", "read_whole"]
+__all__ = ["BODY", "DIRECT", "GONE", "Relay", "USAGE_TAIL", "body_now", "client_gone", "read_whole",
+           "while_present"]
 
 
 def client_gone(scope: Scope, receive: Receive) -> asyncio.Future:
@@ -84,6 +85,20 @@ def client_gone(scope: Scope, receive: Receive) -> asyncio.Future:
     return asyncio.ensure_future(_disconnected(receive))
 
 
+async def while_present(waited: asyncio.Future, scope: Scope, receive: Receive, timeout_s: float) -> str:
+    """Wait for ``waited`` while the client stays: ``"done"``, or ``"gone"`` (the client
+    left) or ``"timeout"`` (``timeout_s`` passed), ``waited`` then cancelled."""
+    gone = client_gone(scope, receive)
+    try:
+        done, _ = await asyncio.wait((waited, gone), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if waited in done:
+        return "done"
+    waited.cancel()
+    return "gone" if gone in done else "timeout"
+
+
 async def read_whole(request: Request, upstream: UpstreamResponse, engine: str,
                      timeout_s: float) -> bytes | OpenAIError:
     """An answer's whole body, read while watching the client: the error to answer
@@ -91,14 +106,9 @@ async def read_whole(request: Request, upstream: UpstreamResponse, engine: str,
     (504) or broke it off (502). The caller closes ``upstream`` (the engine then sees a
     request it answers for nobody end)."""
     read = asyncio.ensure_future(upstream.aread())
-    gone = client_gone(request.scope, request.receive)
-    try:
-        done, _ = await asyncio.wait((read, gone), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if read not in done:
-        read.cancel()
-        return (OpenAIError(499, "client closed the request") if gone in done else
+    how = await while_present(read, request.scope, request.receive, timeout_s)
+    if how != "done":
+        return (OpenAIError(499, "client closed the request") if how == "gone" else
                 OpenAIError(504, f"engine {engine} gave no answer within {timeout_s:g} s"))
     if read.exception() is not None:
         return OpenAIError(502, f"engine {engine} broke off its answer: {read.exception()}")

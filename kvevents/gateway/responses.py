@@ -36,7 +36,7 @@ import msgspec
 from kvevents.engines import EngineSpec
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.prompt import RESPONSES, OpenAIRequest, decode_chat
-from kvevents.gateway.relay import client_gone
+from kvevents.gateway.relay import while_present
 from kvevents.gateway.upstream import UpstreamResponse
 from kvevents.text.chat_inputs import ChatOptions
 
@@ -199,14 +199,8 @@ async def first_event_id(upstream: UpstreamResponse, scope: dict, receive: Any, 
     """The response id of a stream's first event, once it arrived (its bytes are left for
     the relay: the stream is then relayed through Python, not pumped), or None (not in
     its first 16 KiB, no event within ``timeout``, or the client gone meanwhile)."""
-    gone = client_gone(scope, receive)
     peek = asyncio.ensure_future(upstream.peek(b"\n\n", 16384))
-    try:
-        done, _ = await asyncio.wait((peek, gone), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if peek not in done:
-        peek.cancel()
+    if await while_present(peek, scope, receive, timeout) != "done":
         return None
     return stream_response_id(peek.result())
 
