@@ -234,15 +234,15 @@ class Gateway:
                               headers={"Retry-After": "2"})
         by_name = {s.name: s for s in reachable}
         base, lora = self.catalog.identity(model, reachable)
-        ident = identity_digest(lora, req.cache_salt)  # keys its prompt in flight
         self._check_chars(req, base if lora else model)
         assert self.tokens is not None
         try:
             treq = req if lora is None or base is None else dataclasses.replace(req, model=base)
-            ids = await self.tokens.ids(treq, reachable[0].http, reachable[0].name)
+            ids, req.partial, req.media = await self.tokens.identity(treq, reachable[0].http, reachable[0].name)
         except Exception:  # noqa: BLE001 - routing must never be why a request fails
             log.exception("tokenizing a %s request failed; routing it by load alone", req.kind)
             ids = None
+        ident = identity_digest(lora, req.cache_salt, req.media)  # keys its prompt in flight
         if ids is None or req.partial:  # no ids, or a part's (a chat's media, prompt embeds)
             self.metrics.unscored(req.partial)
         if ids is not None:  # (the same 400 as the characters' and the lookup API's)
@@ -255,7 +255,7 @@ class Gateway:
         arr = None if ids is None else np.asarray(ids, dtype=np.int64)
         while True:
             decision = await self._decide(ids, arr, model, by_name, tried, session,
-                                          (base if lora else model, lora, req.cache_salt, ident))
+                                          (base if lora else model, lora, req.cache_salt, ident, req.media))
             engine = by_name[decision.engine]
             predicted = expected_cached(decision, len(ids) if ids else 0)
             # The request's load and prompt in flight, counted once it is on its way
@@ -311,10 +311,10 @@ class Gateway:
         names = [n for n in by_name if n not in tried]
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
-        index_model, lora, salt, ident = identity  # (the index's model, lora, salt, digest)
+        index_model, lora, salt, ident, media = identity  # (the index's model, lora, salt, digest, items)
         flying = {} if arr is None else self.flights.matches(arr, names, ident)
-        decision = await self.router.choose(ids, index_model, lora,
-                                            self.loads.candidates(names, flying), cache_salt=salt)
+        decision = await self.router.choose(ids, index_model, lora, self.loads.candidates(names, flying),
+                                            cache_salt=salt, media=media)
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:
             # A conversation stays where its history is unless that engine is overloaded
