@@ -61,6 +61,10 @@ class Stats:
         self.stored: dict[int, set[str]] = {}  # port -> the response ids it stored
         self.paths: dict[tuple[int, str], int] = {}  # (port, path) -> requests
         self.tokenize_prompts = False  # POST /tokenize of a prompt, without a tokenizer
+        # POST /v1/chat/completions/render: body dict -> answer dict (None: 404, as a
+        # vLLM without --enable-scale-out answers 403); set by EngineThread(render=...)
+        self.render = None
+        self.rendered: list[dict] = []  # the render requests' bodies
 
     def as_dict(self) -> dict:
         return {"open": self.open, "peak": self.peak, "started": self.started,
@@ -143,6 +147,10 @@ class _Conn(asyncio.Protocol):
                 return
             self.stats.tokenized += 1
             self._reply(200, b"application/json", json.dumps({"count": len(ids), "tokens": ids}).encode())
+        elif method == b"POST" and self.url == b"/v1/chat/completions/render" and self.stats.render:
+            doc = json.loads(b"".join(self.body))
+            self.stats.rendered.append(doc)
+            self._reply(200, b"application/json", json.dumps(self.stats.render(doc)).encode())
         elif method == b"POST" and (self.url in _VLLM_PATHS or (
                 self.url == b"/tokenize" and self.stats.tokenize_prompts)):
             key = (self.port, self.url.decode())
@@ -326,14 +334,16 @@ class EngineThread:
     in ``stats`` (read live: their sum, so ``peak`` is the fleet's)."""
 
     def __init__(self, ports: list[int], tokenizer: str | None = None, template: str | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, render=None) -> None:
         """``tokenizer``: a tokenizer directory; then ``POST /tokenize`` answers a chat's
         ids as ``transformers``' ``apply_chat_template`` gives them for its messages,
         ``add_generation_prompt`` and ``tools`` (with ``template`` instead of the
-        directory's, if given)."""
+        directory's, if given). ``render``: the answer of ``POST
+        /v1/chat/completions/render`` to a body (vLLM's ``GenerateRequest`` shape)."""
         self.ports = ports
         self.urls = [f"http://127.0.0.1:{p}" for p in ports]
         self.stats = Stats()
+        self.stats.render = render
         if max_model_len is not None:
             self.stats.models = models_answer(max_model_len)
         if tokenizer is not None:

@@ -37,7 +37,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--kv-events-config", "--kv-transfer-config", "--enable-prefix-caching",
     "--enable-prompt-tokens-details", "--model", "--data-parallel-size", "--num-gpu-blocks-override",
     "--chat-template", "--chat-template-content-format", "--trust-request-chat-template",
-    "--exclude-tools-when-tool-choice-none",
+    "--exclude-tools-when-tool-choice-none", "--enable-scale-out", "--enable-tower-connector-lora",
     # vllm bench serve's dataset flags (bench_gateway.py --vllm-bench-args)
     "--dataset-name", "--num-prompts", "--random-input-len", "--random-output-len", "--random-prefix-len",
     # pip, docker, kubectl, curl, mkdocs, pytest, make

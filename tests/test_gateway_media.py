@@ -1,5 +1,7 @@
 """Prompts routed by less than their whole identity (kvevents/gateway/media.py): chats
-with images routed by the ids of the text before the first image, completions of
+with images that no engine renders (the fake engine here has no render endpoint; the
+rendered case: tests/test_identity_media_api.py) routed by the ids of the text before
+the first image, completions of
 prompt embeddings routed by load alone instead of refused; both counted in
 ``kvevents_gateway_partial_prompts_total{reason}``."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -27,18 +27,112 @@ T = TypeVar("T")
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 
+#: Media part types (as vLLM's chat requests take them) and the field each needs.
+MEDIA_FIELDS = {"image_url": "image_url", "input_image": "image_url", "image_embeds": "image_embeds",
+                "audio_url": "audio_url", "input_audio": "input_audio", "audio_embeds": "audio_embeds",
+                "video_url": "video_url"}
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One part of a message's content: text (``text``, ``refusal``, ``thinking``) or
+    media (``image_url``, ``input_image``, ``image_embeds``, ``audio_url``,
+    ``input_audio``, ``audio_embeds``, ``video_url``, each with its field of that name;
+    ``input_image`` with ``image_url``), with the client's ``uuid`` for the item."""
+
+    type: Literal["text", "refusal", "thinking", "image_url", "input_image", "image_embeds",
+                  "audio_url", "input_audio", "audio_embeds", "video_url"] = "text"
+    text: str | None = None
+    refusal: str | None = None
+    thinking: str | None = None
+    image_url: dict[str, Any] | str | None = None
+    image_embeds: dict[str, Any] | str | None = None
+    audio_url: dict[str, Any] | str | None = None
+    input_audio: dict[str, Any] | None = None
+    audio_embeds: dict[str, Any] | str | None = None
+    video_url: dict[str, Any] | str | None = None
+    uuid: str | None = None
+
+    def __post_init__(self) -> None:
+        need = MEDIA_FIELDS.get(self.type)
+        if need is not None and getattr(self, need) is None:
+            raise ValueError(f"Object missing required field `{need}`")
+        if need is None:  # a text part: what a chat template is handed, nothing else
+            extra = next((f for f in _MEDIA_ONLY if getattr(self, f) is not None), None)
+            if extra is not None:
+                raise ValueError(f"Object has field `{extra}`, which a {self.type} part does not take")
+
+
+_MEDIA_ONLY = ("image_url", "image_embeds", "audio_url", "input_audio", "audio_embeds", "video_url", "uuid")
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One OpenAI chat message, its content text or parts (images too: see
+    :func:`has_media`). The fields of :class:`~kvevents.text.chat.ChatMessage`."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+def has_media(messages: list[Message]) -> bool:
+    """Whether any message has a media part."""
+    return any(isinstance(m.content, list) and any(p.type in MEDIA_FIELDS for p in m.content)
+               for m in messages)
+
+
+_text_messages = msgspec.json.Decoder(list[ChatMessage])
+
+
+class Placeholder(msgspec.Struct, forbid_unknown_fields=True):
+    offset: Annotated[int, msgspec.Meta(ge=0, description="Its first token's position.")]
+    length: Annotated[int, msgspec.Meta(ge=1, description="Its number of tokens.")]
+
+
+class Features(msgspec.Struct):
+    """A prompt's multimodal items as vLLM's render endpoint answers them (its
+    ``features``; other fields, such as ``kwargs_data``, are ignored)."""
+
+    mm_hashes: Annotated[dict[str, list[str]], msgspec.Meta(
+        description="Per modality, each item's identifier (vLLM's mm_hash).")]
+    mm_placeholders: Annotated[dict[str, list[Placeholder]], msgspec.Meta(
+        description="Per modality, each item's placeholder tokens, in the same order.")]
+
+    def __post_init__(self) -> None:
+        if set(self.mm_hashes) != set(self.mm_placeholders):
+            raise ValueError("mm_hashes and mm_placeholders name different modalities")
+        for modality, hashes in self.mm_hashes.items():
+            if len(hashes) != len(self.mm_placeholders[modality]):
+                raise ValueError(f"mm_placeholders has {len(self.mm_placeholders[modality])} "
+                                 f"{modality} items, mm_hashes {len(hashes)}")
+
+    def items(self) -> list[tuple[str, int, int]]:
+        return [(h, p.offset, p.length) for m, hashes in self.mm_hashes.items()
+                for h, p in zip(hashes, self.mm_placeholders[m])]
+
 
 class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
     """A prompt to look up: exactly one of ``token_ids``, ``prompt`` or ``messages``."""
 
     token_ids: Annotated[list[TokenId], msgspec.Meta(
         description="The prompt's token ids.")] | None = None
+    features: Annotated[Features, msgspec.Meta(
+        description="With `token_ids`: the prompt's multimodal items as vLLM's "
+                    "`/v1/chat/completions/render` answers them (its `features`): the "
+                    "blocks they cover match only blocks stored under the same items.")] | None = None
     prompt: Annotated[str, msgspec.Meta(
         description="Prompt text, tokenized with `model`'s tokenizer (special tokens "
                     "added as the tokenizer defines).")] | None = None
-    messages: Annotated[list[ChatMessage], msgspec.Meta(
+    messages: Annotated[list[Message], msgspec.Meta(
         min_length=1, description="OpenAI chat messages, rendered with `model`'s chat "
-                                  "template (generation prompt added) and tokenized.")] | None = None
+                                  "template (generation prompt added) and tokenized. With "
+                                  "media parts (images...), rendered by an engine serving "
+                                  "`model` (vLLM's /v1/chat/completions/render): its ids and "
+                                  "each item's identifier and placeholders are looked up; "
+                                  "else by the text before the first media part.")] | None = None
     model: Annotated[str, msgspec.Meta(
         description="Only consider engines serving this model; names the tokenizer for "
                     "`prompt` and `messages`.")] | None = None
@@ -71,6 +165,17 @@ class LookupBody(msgspec.Struct, forbid_unknown_fields=True):
         description="`messages`: the request's `tool_choice`; `none` drops the tools for a "
                     "tokenizer set up as an engine started with "
                     "`--exclude-tools-when-tool-choice-none`.")] | None = None
+
+    def text_messages(self) -> list[ChatMessage] | None:
+        """``messages`` as the chat template takes them (None: none, or with media)."""
+        if self.messages is None or has_media(self.messages):
+            return None
+        try:
+            return _text_messages.decode(msgspec.json.encode(self.messages))
+        except msgspec.ValidationError as exc:  # (the same fields: not expected)
+            message, field = _field(str(exc))
+            raise ApiError(422, f"messages: {message}", f"messages{field.removeprefix('$')}"
+                           if field else "messages") from None
 
     def chat_options(self) -> ChatOptions | None:
         """The fields besides ``messages`` that change a text's ids (None: none given, or

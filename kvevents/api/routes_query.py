@@ -9,12 +9,12 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from kvevents.api.body import LookupBody, body_doc, decode_lookup
 from kvevents.api.errors import ApiError
+from kvevents.api.media_prompt import body_prompt
 from kvevents.api.models import (ERRORS, PROMPT_ERRORS, BlockResponse, LookupResponse,
                                   PrefixesResponse)
 from kvevents.api.routes_engines import get_aggregator
 from kvevents.index import LookupResult
 from kvevents.routing.offloop import lookup as lookup_off_loop
-from kvevents.routing.offloop import prompt_token_ids
 from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
 from kvevents.wire.schema import BlockHash, hash_to_str
@@ -56,13 +56,10 @@ def lookup_payload(result: LookupResult, down: frozenset[str] | set[str] = froze
 async def lookup(request: Request) -> Response:
     body = await decode_lookup(request)
     agg: Aggregator = request.app.state.aggregator
-    token_ids = await prompt_token_ids(
-        request.app.state.tokenizers, agg.settings.max_prompt_tokens,
-        max_chars=agg.settings.max_prompt_chars,
-        model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages,
-        options=body.chat_options())
+    token_ids, media = await body_prompt(request.app.state, body, agg.settings.max_prompt_tokens,
+                                         agg.settings.max_prompt_chars)
     result = await lookup_off_loop(agg, token_ids, body.model, body.lora_name, "lookup",
-                                   body.cache_salt)
+                                   body.cache_salt, media)
     return json_response(lookup_payload(result, agg.unroutable_engines()))
 
 

@@ -8,10 +8,10 @@ import dataclasses
 from fastapi import APIRouter, Request, Response
 
 from kvevents.api.body import RouteBody, body_doc, decode_route
+from kvevents.api.media_prompt import body_prompt
 from kvevents.api.models import PROMPT_ERRORS, RouteResponse
 from kvevents.api.routes_query import json_response
 from kvevents.routing import EngineLoad, Router
-from kvevents.routing.offloop import prompt_token_ids
 
 router = APIRouter(prefix="/v1", tags=["routing"])
 
@@ -30,13 +30,11 @@ async def route(request: Request) -> Response:
     # No ``Depends``, as in /v1/lookup (routes_query.py): the per-request cost matters.
     body = await decode_route(request)
     routing: Router = request.app.state.routing
-    token_ids = await prompt_token_ids(
-        request.app.state.tokenizers, routing.aggregator.settings.max_prompt_tokens,
-        max_chars=routing.aggregator.settings.max_prompt_chars,
-        model=body.model, token_ids=body.token_ids, prompt=body.prompt, messages=body.messages,
-        options=body.chat_options())
+    settings = routing.aggregator.settings
+    token_ids, media = await body_prompt(request.app.state, body, settings.max_prompt_tokens,
+                                         settings.max_prompt_chars)
     decision = await routing.decide(token_ids, body.model, body.lora_name,
-                                    requested_candidates(body), cache_salt=body.cache_salt)
+                                    requested_candidates(body), cache_salt=body.cache_salt, media=media)
     return json_response({
         "engine": decision.engine, "pod": decision.engine,  # "pod": 0.1.0's name, until 0.3.0
         "matched_tokens": decision.matched_tokens, "tiers": decision.tiers,

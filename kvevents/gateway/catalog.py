@@ -182,9 +182,9 @@ class ModelCatalog:
                 pass
 
 
-def identity_digest(lora: str | None, cache_salt: str | None) -> bytes:
-    """What a prompt's blocks are keyed by besides its tokens, as a short digest (so the
-    salt is kept nowhere): b"" for a plain request."""
-    if lora is None and cache_salt is None:
+def identity_digest(lora: str | None, cache_salt: str | None, media: tuple = ()) -> bytes:
+    """What a prompt's blocks are keyed by besides its tokens (adapter, salt, media items),
+    as a short digest (so the salt is kept nowhere): b"" for a plain request."""
+    if lora is None and cache_salt is None and not media:
         return b""
-    return hashlib.blake2b(json.dumps([lora, cache_salt]).encode(), digest_size=8).digest()
+    return hashlib.blake2b(json.dumps([lora, cache_salt, *media]).encode(), digest_size=8).digest()

@@ -15,8 +15,9 @@ kvevents_gateway_reported_cached_tokens_total  what the engine reported
 kvevents_gateway_usage_reports_total           requests whose answer carried cached_tokens
 kvevents_gateway_untokenized_total             prompts routed by load alone (no ids)
 kvevents_gateway_partial_prompts_total         prompts routed by less than their whole cache
-                                               identity {reason: image, audio, video (by
-                                               the text before the first media part),
+                                               identity {reason: image, audio, video (not
+                                               rendered: by the text before the first
+                                               media part),
                                                prompt_embeds (by load alone)}
 kvevents_gateway_token_parity_checks_total     the gateway's ids against the engine's
                                                /tokenize {engine, model_name, result, reason}
@@ -95,9 +96,9 @@ class GatewayMetrics:
                                    "alone: no token ids", registry=registry)
         self.partial = Counter(
             "kvevents_gateway_partial_prompts_total", "Prompts routed by less than their whole "
-            "cache identity: image, audio, video (a chat with media: by the ids of its text "
-            "before the first media part), prompt_embeds (a completion of prompt embeddings: "
-            "no ids, by load alone)", ["reason"], registry=registry)
+            "cache identity: image, audio, video (a chat with media that no engine rendered: "
+            "by the ids of its text before the first media part), prompt_embeds (a completion "
+            "of prompt embeddings: no ids, by load alone)", ["reason"], registry=registry)
         for reason in REASONS:
             self.partial.labels(reason)
         self.pd_decisions = Counter(

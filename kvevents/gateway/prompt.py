@@ -25,8 +25,10 @@ import msgspec
 from starlette.concurrency import run_in_threadpool
 
 from kvevents.gateway.errors import OpenAIError
-from kvevents.gateway.media import PROMPT_EMBEDS, before_media, check_embeds, first_media, text_before
+from kvevents.gateway.media import (PROMPT_EMBEDS, Renderer, before_media, check_embeds, first_media,
+                                    text_before)
 from kvevents.gateway.parity import TokenParity
+from kvevents.index import MediaItem
 from kvevents.text import ChatTemplateError, TextTokenizer, TokenizerRegistry
 from kvevents.text.chat import ChatMessage
 from kvevents.text.chat_inputs import ChatOptions
@@ -72,6 +74,9 @@ class OpenAIRequest:
     partial: str | None = None
     # responses: the stored response this one follows (answered by the engine that has it)
     previous_response_id: str | None = None
+    # A media chat rendered by an engine: its items (identifier, placeholder offset and
+    # length), looked up with its ids block by block (:mod:`kvevents.index.media`).
+    media: tuple[MediaItem, ...] = ()
 
     def plain_messages(self) -> list[dict[str, Any]] | None:
         """The chat messages as decoded JSON, as the body wrote them."""
@@ -296,22 +301,37 @@ class PromptTokens:
         self.client = client
         self.timeout = timeout
         self.parity = parity  # live checks of the local ids against the engines' (None: off)
+        self.renderer = Renderer(client)  # media chats' ids and items, from an engine
         self.failures = 0  # prompts routed without ids
         self.repeats = 0  # conversations whose ids came from the recent ones
         self._told: set[str] = set()
         self._recent: OrderedDict[tuple[str, bytes], array] = OrderedDict()
         self._recent_bytes = 0
 
+    async def identity(self, req: OpenAIRequest, engine_url: str | None,
+                       engine: str = "") -> tuple[Sequence[int] | None, str | None, tuple[MediaItem, ...]]:
+        """(ids, ``partial``, ``media``) of the request (see :meth:`ids`): what it is
+        routed by."""
+        ids = await self.ids(req, engine_url, engine)
+        return ids, req.partial, req.media
+
     async def ids(self, req: OpenAIRequest, engine_url: str | None, engine: str = "") -> Sequence[int] | None:
         """The ids, or None when they cannot be had (routed by load alone). ``engine``
         (its name) and ``engine_url``: an engine serving the model, asked when there is no
-        local tokenizer, and for the parity checks (:mod:`.parity`)."""
+        local tokenizer, and for the parity checks (:mod:`.parity`). A media chat is
+        rendered there first (:mod:`.media`): then ``req.media`` is set and ``req.partial``
+        cleared; else it is routed by its text before the first media part."""
         if req.kind == COMPLETIONS and isinstance(req.prompt, list):
             return req.prompt
         if req.kind == RESPONSES and not req.messages_json:
             return None  # a response not rendered here (see .responses): by load alone
         if req.partial == PROMPT_EMBEDS:
             return None  # no ids: routed by load alone (see .media)
+        if req.partial is not None and engine_url is not None:
+            got = await self.renderer.render(engine_url, msgspec.json.decode(req.body))
+            if got is not None:
+                req.partial, req.media = None, got[1]
+                return got[0]
         tok = self.tokenizers.get(req.model)
         if req.partial is not None and tok is not None:  # media: the text before the first
             ids = await self._before_media(tok, req)

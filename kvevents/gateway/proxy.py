@@ -250,11 +250,11 @@ class Gateway:
         reachable = self.homes.targets(req, targets, reachable)  # (a stored response's engine)
         by_name = {s.name: s for s in reachable}
         base, lora = self.catalog.identity(model, reachable)
-        ident = identity_digest(lora, req.cache_salt)  # keys its prompt in flight
         ids = None
         if row.affinity and req.previous_response_id is None:  # (else: by load, or pinned)
             self._check_chars(req, base if lora else model, row.prompt_field or "prompt")
             ids = await self._ids(req, base, lora, reachable[0])
+        ident = identity_digest(lora, req.cache_salt, req.media)  # keys its prompt in flight
         if ids is not None:  # (the same 400 as the characters' and the lookup API's)
             check_length(ids, self.max_prompt_tokens, row.prompt_field or "prompt")
         drop = _DROP_KEYED if self.api_key else _DROP  # (the gateway's key stays here)
@@ -263,7 +263,7 @@ class Gateway:
         session = next((v.decode("latin-1") for k, v in raw if k == b"x-session-id"), None)
         tried: set[str] = set()
         arr = None if ids is None else np.asarray(ids, dtype=np.int64)
-        identity = (base if lora else model, lora, req.cache_salt, ident)
+        identity = (base if lora else model, lora, req.cache_salt, ident, req.media)
         hop: Hop | None = None  # a disaggregated request's prefill hop (see disagg.py)
         while True:
             decision = await self._decide(ids, arr, model, by_name, tried, session, identity)
@@ -322,11 +322,12 @@ class Gateway:
 
     async def _ids(self, req: OpenAIRequest, base: str | None, lora: str | None,
                    engine: EngineSpec) -> Sequence[int] | None:
-        """The prompt's ids (None: routed by load alone, counted as such)."""
+        """The prompt's ids (None: routed by load alone, counted as such); a media chat's
+        items, when an engine rendered it, set on ``req`` (see :meth:`PromptTokens.identity`)."""
         assert self.tokens is not None
         try:
             treq = req if lora is None or base is None else dataclasses.replace(req, model=base)
-            ids = await self.tokens.ids(treq, engine.http, engine.name)
+            ids, req.partial, req.media = await self.tokens.identity(treq, engine.http, engine.name)
         except Exception:  # noqa: BLE001 - routing must never be why a request fails
             log.exception("tokenizing a %s request failed; routing it by load alone", req.kind)
             ids = None
@@ -348,10 +349,10 @@ class Gateway:
         names = [n for n in by_name if n not in tried]
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
-        index_model, lora, salt, ident = identity  # (the index's model, lora, salt, digest)
+        index_model, lora, salt, ident, media = identity  # (the index's model, lora, salt, digest, items)
         flying = {} if arr is None else self.flights.matches(arr, names, ident)
-        decision = await self.router.choose(ids, index_model, lora,
-                                            self.loads.candidates(names, flying), cache_salt=salt)
+        decision = await self.router.choose(ids, index_model, lora, self.loads.candidates(names, flying),
+                                            cache_salt=salt, media=media)
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:
             # A conversation stays where its history is unless that engine is overloaded

@@ -15,6 +15,7 @@ Files, one concept each::
     queries.py    inspection queries over (core, engine ids, lock), read in short chunks
                   (top prefixes, engine blocks), and the top-prefix answer cache
     state.py      export / import of (core, engine ids, counters) for snapshots
+    media.py      a prompt's multimodal items as vLLM keys their blocks (lookup's extras)
     results.py    query/result types (msgspec Structs; PodMatch, .pods, .pod: deprecated)
     README.md     the data model, what is refused, lock discipline, the state format
 
@@ -29,6 +30,7 @@ from ._core import REASONS as REFUSAL_REASONS
 from ._core import NogilLock, WireSink
 from .index import IndexBusy, PrefixIndex, feeds_prefix_matching
 from .wire import IngestDecoder, WireBatch
+from .media import MediaItem, media_items
 from .results import (
     ApplyStats,
     BlockHolder,
@@ -53,10 +55,12 @@ __all__ = [
     "IngestDecoder",
     "NogilLock",
     "LookupResult",
+    "MediaItem",
     "EngineMatch",
     "PodMatch",
     "PrefixIndex",
     "PrefixInfo",
     "WireBatch",
     "feeds_prefix_matching",
+    "media_items",
 ]

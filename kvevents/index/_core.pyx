@@ -1278,14 +1278,16 @@ cdef class Core:
         return self.stok
 
     def lookup(self, tokens, list spaces, list names, const int32_t[::1] rank, match_cls,
-               uint64_t first_extra=0):
+               uint64_t first_extra=0, dict extras=None):
         """Per engine, leading matched tokens over the namespaces ``spaces`` (a list of
         (ns id, block size), in preference order: an engine's best namespace wins, the
         first on ties). Returns ``match_cls(name, tokens, {tier: tokens}, block size)``
         per matching engine, sorted by tokens descending then ``rank`` (the engine's
         position in name order). ``first_extra``: the first block's extra-key digest
-        (``extra_digest((cache_salt,))``; 0: none). The token buffer must stay alive for
-        the call."""
+        (``extra_digest((cache_salt,))``; 0: none). ``extras``: per block size, a uint64
+        array of each block's extra-key digest (0: none; images' keys, the salt's on the
+        first block), used instead of ``first_extra`` for the blocks it covers. The token
+        buffer must stay alive for the call."""
         cdef Py_ssize_t n_tok
         cdef const int64_t* tp = self._token_ptr(tokens, &n_tok)
         if n_tok >= (1 << 31):
@@ -1299,6 +1301,9 @@ cdef class Core:
         cdef int64_t* order = <int64_t*>malloc(pc * sizeof(int64_t))
         cdef int n_found, n_best = 0, i, j, t, pid
         cdef int64_t bs, tok
+        cdef const uint64_t[::1] xv
+        cdef const uint64_t* xp
+        cdef int64_t nx
         if best == NULL or best_sp == NULL or tier_tok == NULL or found == NULL or order == NULL:
             free(best); free(best_sp); free(tier_tok); free(found); free(order)
             raise MemoryError()
@@ -1308,7 +1313,13 @@ cdef class Core:
                 bs = bs_obj
                 if bs <= 0 or n_tok < bs:
                     continue
-                n_found = self._match_ns(tp, n_tok, <int>ns, bs, found, first_extra)
+                xp, nx = NULL, 0
+                if extras is not None:
+                    xarr = extras.get(bs)
+                    if xarr is not None and len(xarr):
+                        xv = xarr
+                        xp, nx = &xv[0], xv.shape[0]
+                n_found = self._match_ns(tp, n_tok, <int>ns, bs, found, first_extra, xp, nx)
                 for i in range(n_found):
                     pid = found[i]
                     tok = <int64_t>self.ends[pid] * bs
@@ -1357,7 +1368,8 @@ cdef class Core:
         return 0
 
     cdef int _match_ns(self, const int64_t* tp, Py_ssize_t n_tok, int ns, int64_t bs,
-                       int32_t* found, uint64_t first_extra=0) except -1:
+                       int32_t* found, uint64_t first_extra=0, const uint64_t* xp=NULL,
+                       int64_t nx=0) except -1:
         """Match one namespace: leaves, per matching engine, its any-tier run in
         ``ends[pid]`` and tier t's run in ``ends[(1 + t) * engine_cap + pid]`` (blocks), and
         the engines in ``found``; returns their number. The caller zeroes those ends.
@@ -1394,7 +1406,9 @@ cdef class Core:
                 if self.conv_list is not None and self.conv_n < (computed + 1) * bs:
                     self._convert_upto((computed + 1) * bs)
                 row = row_hash(tp + computed * bs, bs)
-                if computed == 0 and first_extra:
+                if computed < nx and xp[computed]:
+                    row = mix64(row ^ (xp[computed] * _EXTRA))
+                elif computed == 0 and first_extra:
                     row = mix64(row ^ (first_extra * _EXTRA))
                 k = chain_key(k, row)
                 keys[computed % LOOKAHEAD] = k

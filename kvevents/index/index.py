@@ -49,6 +49,7 @@ from . import queries, state
 from ._core import Core, NogilLock, WireBatch, WireSink, extra_digest
 from .counts import Counts, all_counts, fold
 from .engine_ids import EngineIds
+from .media import MediaItem, block_extras
 from .results import (
     ApplyStats,
     add_stats,
@@ -248,6 +249,7 @@ class PrefixIndex:
         lora_name: str | None = None,
         *,
         cache_salt: str | None = None,
+        media: Sequence[MediaItem] = (),
         blocking: bool = True,
         timeout: float = -1,
     ) -> LookupResult:
@@ -258,6 +260,9 @@ class PrefixIndex:
         ``cache_salt`` its tenant's salt (vLLM keys the first block with it; an empty
         salt is none, as in vLLM). Only blocks stored under the same identity match:
         a salted lookup searches only salted sequences, an unsalted one never them.
+        ``media``: the prompt's multimodal items (:func:`~kvevents.index.media.media_items`):
+        the blocks they cover match only blocks stored under the same items at the same
+        places (:mod:`kvevents.index.media`).
 
         ``token_ids``: a list of ints, or an int64 / int32 / uint32 buffer (numpy
         array, ``array('q')``); list items are converted (and checked) as matching
@@ -270,9 +275,13 @@ class PrefixIndex:
             raise IndexBusy("index busy" if not blocking else f"index busy for {timeout} s")
         try:
             spaces = self._spaces(model, lora_name, bool(cache_salt))
+            extras = None
+            if media and spaces:
+                n = len(token_ids)
+                extras = {bs: block_extras(media, bs, n // bs, cache_salt) for bs in {b for _, b in spaces}}
             engines_out = self._core.lookup(
                 token_ids, spaces, self._engines.names, self._engines.rank(), EngineMatch,
-                extra_digest((cache_salt,)) if cache_salt else 0) if spaces else []
+                extra_digest((cache_salt,)) if cache_salt else 0, extras) if spaces else []
         finally:
             self.lock.release()
         block_size = engines_out[0].block_size if engines_out else (spaces[0][1] if spaces else 0)

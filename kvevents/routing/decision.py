@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvevents.index import LookupResult
+from kvevents.index import LookupResult, MediaItem
 from kvevents.routing.offloop import lookup
 from kvevents.routing.policies import Candidate, EngineLoad, KVAwarePolicy, RouteDecision, without_engines
 from kvevents.service.aggregator import Aggregator
@@ -62,15 +62,16 @@ class Router:
     async def decide(self, token_ids: Sequence[int], model: str | None = None,
                      lora_name: str | None = None,
                      requested: Sequence[tuple[str, EngineLoad]] | None = None, *,
-                     cache_salt: str | None = None) -> RouteDecision:
-        """The engine for this prompt. Raises :class:`InputError` for bad candidates."""
+                     cache_salt: str | None = None, media: Sequence[MediaItem] = ()) -> RouteDecision:
+        """The engine for this prompt (``media``: its multimodal items, see
+        :mod:`kvevents.index.media`). Raises :class:`InputError` for bad candidates."""
         return await self.choose(token_ids, model, lora_name, self.candidates(requested),
-                                 cache_salt=cache_salt)
+                                 cache_salt=cache_salt, media=media)
 
     async def choose(self, token_ids: Sequence[int] | None, model: str | None,
                      lora_name: str | None, candidates: Sequence[Candidate],
                      down: Collection[str] = (), *,
-                     cache_salt: str | None = None) -> RouteDecision:
+                     cache_salt: str | None = None, media: Sequence[MediaItem] = ()) -> RouteDecision:
         """The policy's choice among ``candidates`` (already checked). ``token_ids`` None:
         no cache signal (load alone). Engines down now, or in ``down``, are chosen only
         when every candidate is."""
@@ -80,7 +81,7 @@ class Router:
             ids: Sequence[int] = ()
         else:
             result = without_engines(await lookup(agg, token_ids, model, lora_name, "route",
-                                                  cache_salt),
+                                                  cache_salt, media),
                                      agg.unroutable_engines())
             ids = token_ids
         return self.policy.choose(ids, result, candidates, down=agg.down_engines() | set(down))

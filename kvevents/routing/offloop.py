@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from starlette.concurrency import run_in_threadpool
 
-from kvevents.index import IndexBusy, LookupResult
+from kvevents.index import IndexBusy, LookupResult, MediaItem
 from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
 from kvevents.text.chat import ChatMessage
@@ -36,22 +36,24 @@ _LOOP_WAIT_S = 0.002
 
 
 def lookup_now(agg: Aggregator, token_ids, model: str | None, lora_name: str | None,
-               endpoint: str, cache_salt: str | None = None) -> LookupResult | None:
+               endpoint: str, cache_salt: str | None = None,
+               media: Sequence[MediaItem] = ()) -> LookupResult | None:
     """The lookup, waiting for the index lock on this thread for at most the event
     loop's bound; None when the lock stayed taken (wait for it off the loop)."""
     try:
         return agg.lookup(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt,
-                          endpoint=endpoint, timeout=_LOOP_WAIT_S)
+                          media=media, endpoint=endpoint, timeout=_LOOP_WAIT_S)
     except IndexBusy:
         return None
 
 
 async def lookup(agg: Aggregator, token_ids, model: str | None, lora_name: str | None,
-                 endpoint: str, cache_salt: str | None = None) -> LookupResult:
-    result = lookup_now(agg, token_ids, model, lora_name, endpoint, cache_salt)
+                 endpoint: str, cache_salt: str | None = None,
+                 media: Sequence[MediaItem] = ()) -> LookupResult:
+    result = lookup_now(agg, token_ids, model, lora_name, endpoint, cache_salt, media)
     if result is None:
         return await run_in_threadpool(lambda: agg.lookup(
-            token_ids, model, lora_name, cache_salt=cache_salt, endpoint=endpoint))
+            token_ids, model, lora_name, cache_salt=cache_salt, media=media, endpoint=endpoint))
     return result
 
 

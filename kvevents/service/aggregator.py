@@ -39,13 +39,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry
 
 from kvevents.engines import EngineBudgetError, EngineExistsError, EngineRegistry, EngineSpec
-from kvevents.index import IngestDecoder, LookupResult, PrefixIndex
+from kvevents.index import IngestDecoder, LookupResult, MediaItem, PrefixIndex
 from kvevents.ingest import ratelog
 from kvevents.ingest.budget import Budget, make_context, plan_budget
 from kvevents.ingest.gilmeter import HoldMeter
@@ -332,15 +332,15 @@ class Aggregator:
 
     def lookup(
         self, token_ids: list[int], model: str | None = None, lora_name: str | None = None,
-        *, cache_salt: str | None = None, endpoint: str = "lookup", blocking: bool = True,
-        timeout: float = -1,
+        *, cache_salt: str | None = None, media: Sequence[MediaItem] = (), endpoint: str = "lookup",
+        blocking: bool = True, timeout: float = -1,
     ) -> LookupResult:
-        """Index lookup, timed into the metrics (``cache_salt``: see
+        """Index lookup, timed into the metrics (``cache_salt``, ``media``: see
         :meth:`~kvevents.index.PrefixIndex.lookup`; never a label). ``blocking=False`` raises
         :class:`~kvevents.index.IndexBusy` instead of waiting for the index lock, and so
         does a ``timeout`` (seconds) that passes before the lock is free."""
         t0 = time.perf_counter()
-        result = self.index.lookup(token_ids, model=model, lora_name=lora_name,
-                                   cache_salt=cache_salt, blocking=blocking, timeout=timeout)
+        result = self.index.lookup(token_ids, model=model, lora_name=lora_name, cache_salt=cache_salt,
+                                   media=media, blocking=blocking, timeout=timeout)
         self.metrics.observe_lookup(endpoint, time.perf_counter() - t0, result, model)
         return result
