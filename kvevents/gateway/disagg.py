@@ -14,7 +14,8 @@ pool. Per request, in :class:`~kvevents.gateway.proxy.Gateway`:
    already holds ``skip_cached_share`` of the prompt, or the part it lacks is shorter
    than ``skip_uncached_tokens``: it computes the rest faster than a transfer would;
 3. otherwise the prefill engine is chosen by the router among the prefill pool (prefix
-   overlap against load), and sent the client's body with ``max_tokens`` 1, no stream
+   overlap against load; not evened out by request counts, as whole requests are: a
+   prefill engine's work is only the part of the prompt it lacks), and sent the client's body with ``max_tokens`` 1, no stream
    and ``kv_transfer_params`` ``{"do_remote_decode": true, ...}``, as vLLM's own
    disaggregation proxy sends it; its answer is read whole. A refused connection, a 5xx
    or no answer in time: once more on another prefill engine, then the decode engine
@@ -82,7 +83,7 @@ class Gateway(Protocol):
 
     async def _decide(self, ids: Sequence[int] | None, arr: np.ndarray | None, model: str | None,
                       by_name: dict[str, EngineSpec], tried: set[str], session: str | None,
-                      identity: tuple) -> RouteDecision: ...
+                      identity: tuple, balance: bool = True) -> RouteDecision: ...
 
     def _on_way(self, flight: list, engine: str, decision: RouteDecision, predicted: int,
                 arr: np.ndarray | None, model: str | None, ids: Sequence[int] | None,
@@ -190,7 +191,10 @@ class Disaggregation:
         tried: set[str] = set()
         for _ in range(_TRIES):
             try:
-                decision = await gw._decide(ids, arr, model, by_name, tried, None, identity)  # noqa: SLF001
+                # (no pull toward even request counts: a prefill engine's work is the part
+                # of the prompt it lacks, and its load still counts)
+                decision = await gw._decide(ids, arr, model, by_name, tried, None, identity,  # noqa: SLF001
+                                            balance=False)
             except OpenAIError:  # every prefill engine tried
                 break
             params = await self._one(gw, request, first, decision, by_name[decision.engine], ids, arr,

@@ -207,14 +207,16 @@ class EngineLoads:
         total = sum([t.sent for t in targets])  # > 0: every engine starts above 0 (see ``of``)
         return [t.sent / total for t in targets]
 
-    def candidates(self, engines: list[str], inflight_tokens: dict[str, int]) -> list[Candidate]:
+    def candidates(self, engines: list[str], inflight_tokens: dict[str, int],
+                   balance: bool = True) -> list[Candidate]:
         """The policy's candidates as this gateway knows them: each engine's load, its
-        share of the recent requests, and the tokens of the prompt in flight there
+        share of the recent requests (``balance`` False: none, so the policy does not
+        even the request counts out), and the tokens of the prompt in flight there
         (``inflight_tokens``, from :class:`~kvevents.gateway.inflight.InflightPrompts`)."""
         targets = [self.of(n) for n in engines]
         load, flying = self._load, inflight_tokens.get
-        return [Candidate(n, load(t), flying(n, 0), share)
-                for n, t, share in zip(engines, targets, self._shares(targets))]
+        shares = self._shares(targets) if balance else [None] * len(targets)
+        return [Candidate(n, load(t), flying(n, 0), share) for n, t, share in zip(engines, targets, shares)]
 
     def load(self, engine: str) -> EngineLoad:
         return self._load(self.of(engine))

@@ -345,13 +345,13 @@ class Gateway:
 
     async def _decide(self, ids: Sequence[int] | None, arr: np.ndarray | None, model: str | None,
                       by_name: dict[str, EngineSpec], tried: set[str], session: str | None,
-                      identity: tuple) -> RouteDecision:
+                      identity: tuple, balance: bool = True) -> RouteDecision:
         names = [n for n in by_name if n not in tried]
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
         index_model, lora, salt, ident, media = identity  # (the index's model, lora, salt, digest, items)
         flying = {} if arr is None else self.flights.matches(arr, names, ident)
-        decision = await self.router.choose(ids, index_model, lora, self.loads.candidates(names, flying),
+        decision = await self.router.choose(ids, index_model, lora, self.loads.candidates(names, flying, balance),
                                             cache_salt=salt, media=media)
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:
