@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,7 +72,14 @@ def rerun_in_loopback_netns(script: str, args: list[str]) -> int:
     status. For peers that listen on 0.0.0.0 (``dynamo.indexer``): inside, nothing but
     127.0.0.1 exists. Needs root or user namespaces."""
     argv = [sys.executable, os.path.abspath(script), "--inner", *args]
-    return subprocess.call(["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + shlex.join(argv)])
+    child = subprocess.Popen(["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + shlex.join(argv)])
+    # A SIGTERM (timeout, kill) reaches the benchmark inside too, which then stops what
+    # it started (its finally blocks) instead of leaving engines running for nobody.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    try:
+        return child.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main_in_loopback_netns(script: str, a, inner) -> None:
@@ -80,6 +88,8 @@ def main_in_loopback_netns(script: str, a, inner) -> None:
     command line it was given (``--command``, printed with its figures); exits with the
     status."""
     if a.inner:
+        # (SIGTERM as SystemExit: the finally blocks stop the engines and routers started)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         sys.exit(inner(a))
     argv = sys.argv[1:]
     root = Path(script).resolve().parent.parent
