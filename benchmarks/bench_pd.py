@@ -45,8 +45,6 @@ import asyncio
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,12 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from bench_gateway import (MAX_MODEL_LEN, MODEL, BenchError, Ours, _tail, engine_busy,  # noqa: E402
+from bench_gateway import (MAX_MODEL_LEN, MODEL, Ours, VllmRouter, _tail, engine_busy,  # noqa: E402
                            metric_sum, run_workload, wait_until)
 from chat_workloads import build_workload, endless_cache_hits  # noqa: E402
-from kvevents.demo.vllm_server import VllmFleet  # noqa: E402
+from common import machine, main_in_loopback_netns, median, percentile, print_table, write_json  # noqa: E402
 
-from common import machine, median, percentile, print_table, main_in_loopback_netns, write_json  # noqa: E402
+from kvevents.demo.vllm_server import VllmFleet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ["prefill", "prefill", "decode", "decode"]
@@ -116,47 +114,14 @@ class Fleet(VllmFleet):
         return out
 
 
-class VllmRouterPD:
+class VllmRouterPD(VllmRouter):
     """A fresh ``vllm-router`` in vLLM's PD mode over the fleet's two pools."""
 
     def __init__(self, fleet: Fleet, run_dir: Path, tag: str, policy: str) -> None:
-        from kvevents.demo.fleet import free_port
-
-        exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
-        if exe is None:
-            raise BenchError("vllm-router is not installed: pip install -e '.[bench]' (vllm-router==0.1.17)")
-        self.port, self.metrics_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = run_dir / f"vllm-router-pd-{tag}.log"
-        self.cmd = [exe, "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
-                    "--policy", policy, "--prometheus-host", "127.0.0.1",
-                    "--prometheus-port", str(self.metrics_port), "--worker-startup-check-interval", "1",
-                    "--log-level", "warning"]
-        for s, role in zip(fleet.servers, ROLES):
-            self.cmd += ["--prefill", s.url] if role == "prefill" else ["--decode", s.url]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 120.0) -> None:
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise BenchError(f"vllm-router exited (rc={self.proc.returncode}): {_tail(self.log)}")
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-
-        wait_until(ready, timeout, interval=0.3, what="vllm-router (PD) to be ready")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        super().__init__(policy, fleet, [], run_dir, f"pd-{tag}")
+        pools = [x for s, role in zip(fleet.servers, ROLES) for x in (f"--{role}", s.url)]
+        at = self.cmd.index("--worker-urls")
+        self.cmd[at:at + 1 + len(fleet.servers)] = ["--vllm-pd-disaggregation", *pools]
 
 
 def one_run(setup: str, rnd: int, fleet: Fleet, ours: dict[str, Ours], reqs, a, run_dir: Path) -> dict:
@@ -282,7 +247,7 @@ def inner(a) -> int:
     print("all runs:")
     print_table(HEADERS, [_row(r) for r in rows])
     summary = []
-    for setup in (*SETUPS, "ours_agg"):
+    for setup in (s for s in (*SETUPS, "ours_agg") if s in wanted):
         good = [r for r in rows if r["setup"] == setup and "error" not in r and not r.get("invalid")]
         summary.append({"setup": setup, "runs": len(good), **({k: median([r[k] for r in good]) for k in (
             "prefill_hit_tokens", "computed_tokens", "ttft_p50_s", "ttft_p90_s", "completed")} if good else {})})

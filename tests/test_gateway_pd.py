@@ -16,8 +16,6 @@ Where vLLM is not installed these tests skip; under ``CI=true`` a missing vLLM f
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 import threading
@@ -26,15 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from support import free_port, wait_until
+from support import free_port, require_vllm, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-HOW = "vLLM is not installed: run `make test CI=true` (installs the vllm extra) or pip install -e '.[vllm]'"
-
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("CI=true but vLLM is missing: " + HOW)
-    pytest.skip(HOW, allow_module_level=True)
+require_vllm()
 
 import httpx  # noqa: E402
 
@@ -97,12 +90,7 @@ def pd(tmp_path_factory):
     finally:
         for s in servers.values():
             s.stop()
-        serve.terminate()
-        try:
-            serve.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait(timeout=10)
+        stop_process(serve, timeout=20)
 
 
 def _chat(topic: str, words: int = 300) -> list[dict]:

@@ -16,9 +16,7 @@ Where vLLM is not installed these tests skip; under ``CI=true`` a missing vLLM f
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import queue
 import re
 import subprocess
@@ -29,15 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from support import free_port, wait_until
+from support import free_port, require_vllm, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-HOW = "vLLM is not installed: run `make test CI=true` (installs the vllm extra) or pip install -e '.[vllm]'"
-
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("CI=true but vLLM is missing: " + HOW)
-    pytest.skip(HOW, allow_module_level=True)
+require_vllm()
 
 import httpx  # noqa: E402
 
@@ -94,12 +87,7 @@ def stack(tmp_path_factory):
                "log": serve_log}
     finally:
         fleet.stop()
-        serve.terminate()
-        try:
-            serve.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait(timeout=10)
+        stop_process(serve, timeout=20)
 
 
 # ---- helpers -----------------------------------------------------------------------------
