@@ -46,6 +46,8 @@ OTHER_PROGRAMS_FLAGS = {
     "--served-model-name", "--block-size", "--from-literal", "--local-dir",
     # vllm serve's LoRA adapters
     "--enable-lora", "--lora-modules",
+    # vllm-router's PD mode (bench_pd.py passes them as f"--{role}")
+    "--prefill", "--decode",
 }
 # Paths of an engine's own HTTP server that the pages mention (vLLM's, not ours).
 ENGINE_PATHS = {"/tokenize", "/metrics/", "/health", "/v1/chat/completions/render"}
