@@ -306,3 +306,24 @@ def require_vllm() -> None:
         if os.environ.get("CI") == "true":
             raise RuntimeError("CI=true but vLLM is missing: " + VLLM_HOW)
         pytest.skip(VLLM_HOW, allow_module_level=True)
+
+
+def wait_gateway_engines(gw: str, n: int, serve: subprocess.Popen, log, timeout: float = 60.0,
+                         connected: bool = True) -> None:
+    """Until ``kvevents serve`` at ``gw`` (process ``serve``, its output in the file
+    ``log``) shows ``n`` engines, each reachable by its gateway and (``connected``) its
+    event stream connected; fails with the log's tail if ``serve`` exits or ``timeout``
+    passes first."""
+    import httpx
+
+    def up() -> bool:
+        assert serve.poll() is None, log.read_text()[-3000:]
+        try:
+            engines = httpx.get(gw + "/v1/engines", timeout=5).json()["engines"]
+        except httpx.HTTPError:
+            return False
+        return len(engines) == n and all((e["connected"] or not connected) and e["gateway"]["reachable"]
+                                         for e in engines)
+
+    assert wait_until(up, timeout=timeout, interval=0.2), log.read_text()[-3000:]
+

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from support import free_port, require_vllm, stop_process, wait_until
+from support import free_port, require_vllm, stop_process, wait_gateway_engines, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 require_vllm()
@@ -73,15 +73,7 @@ def stack(tmp_path_factory):
         engine.wait_ready(420)
         print(f"\nengine ready in {time.monotonic() - t0:.0f} s")
 
-        def all_up() -> bool:
-            assert serve.poll() is None, serve_log.read_text()[-3000:]
-            try:
-                engines = httpx.get(gw + "/v1/engines", timeout=5).json()["engines"]
-            except httpx.HTTPError:
-                return False
-            return len(engines) == 2 and all(e["gateway"]["reachable"] for e in engines)
-
-        assert wait_until(all_up, timeout=60, interval=0.2), serve_log.read_text()[-3000:]
+        wait_gateway_engines(gw, 2, serve, serve_log, connected=False)  # (the fake has no events)
         yield {"gw": gw, "engine": engine, "fake": fake, "log": serve_log,
                "client": openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)}
     finally:

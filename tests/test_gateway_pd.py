@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from support import free_port, require_vllm, stop_process, wait_until
+from support import free_port, require_vllm, stop_process, wait_gateway_engines, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 require_vllm()
@@ -77,15 +77,7 @@ def pd(tmp_path_factory):
         for s in servers.values():
             s.wait_ready(STARTUP)
 
-        def all_up() -> bool:
-            assert serve.poll() is None, serve_log.read_text()[-3000:]
-            try:
-                engines = httpx.get(gw + "/v1/engines", timeout=5).json()["engines"]
-            except httpx.HTTPError:
-                return False
-            return len(engines) == 2 and all(e["gateway"]["reachable"] and e["connected"] for e in engines)
-
-        assert wait_until(all_up, timeout=60, interval=0.2), serve_log.read_text()[-3000:]
+        wait_gateway_engines(gw, 2, serve, serve_log)
         yield {"gw": gw, "servers": servers, "folder": folder, "log": serve_log}
     finally:
         for s in servers.values():

@@ -27,7 +27,7 @@ pool. Per request, in :class:`~kvevents.gateway.proxy.Gateway`:
    decode engine before its first byte, and relayed like any request.
 
 Every disaggregated model's request counts one decision
-(``kvevents_gateway_pd_decisions_total{reason}``, :data:`REASONS`); the prefill hop's
+(``kvevents_gateway_pd_decisions_total{reason}``, :data:`~.metrics.PD_REASONS`); the prefill hop's
 time and the decode engine's time to its first byte are histograms, and each hop's
 predicted and reported cached tokens go to its own engine's series.
 """
@@ -49,21 +49,16 @@ from kvevents.engines import EngineSpec
 from kvevents.gateway.answers import cached_tokens, expected_cached
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.load import EngineLoads
-from kvevents.gateway.metrics import PD_REASONS, GatewayMetrics
+from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.prompt import CHAT, COMPLETIONS, OpenAIRequest
 from kvevents.gateway.relay import read_whole
 from kvevents.gateway.upstream import UpstreamError, UpstreamResponse
 from kvevents.routing import RouteDecision
 
-__all__ = ["REASONS", "Disaggregation", "Hop", "Pools"]
+__all__ = ["DISAGGREGATED", "Disaggregation", "Hop", "Pools"]
 
 log = logging.getLogger(__name__)
 
-#: ``kvevents_gateway_pd_decisions_total`` reasons: the two hops taken; the prefill hop
-#: skipped as the decode engine holds enough of the prompt or lacks too little of it;
-#: no prefill engine reachable, or every one tried failed (the decode engine computed it).
-REASONS = PD_REASONS
-FALLBACKS = ("no_prefill", "prefill_failed")
 #: What vLLM's disaggregation proxies send a prefill engine: compute, keep the blocks
 #: for a remote decode, and return where they are.
 _PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -176,10 +171,7 @@ class Disaggregation:
         reason = self.skip_reason(decode, n) if pools.prefill else "no_prefill"
         if reason is not None:
             return self._decided(reason, Hop(req))
-        try:
-            doc = msgspec.json.decode(req.body)
-        except msgspec.DecodeError:  # (parse_request read it: not reached in practice)
-            return self._decided("prefill_failed", Hop(req))
+        doc = msgspec.json.decode(req.body)  # (a JSON object: parse_request checked it)
         body = {**doc, "max_tokens": 1, "stream": False, "kv_transfer_params": _PREFILL_PARAMS}
         for key in ("stream_options", "min_tokens"):  # (min_tokens > 1 would be refused)
             body.pop(key, None)
