@@ -7,7 +7,8 @@ Answers ``POST /v1/chat/completions`` and ``/v1/completions``: ``max_tokens`` ch
 ``fake_chunk_bytes`` (default: a short vLLM-like chunk); streamed when ``"stream": true``
 (with a usage chunk and ``[DONE]``), else one JSON answer; ``fake_break_after``: the
 connection is closed after that many chunks (an engine that dies mid-answer);
-``fake_break_at_end``: closed after ``[DONE]``, before the chunked body's end marker. A stream counts as *open*
+``fake_break_at_end``: closed after ``[DONE]``, before the chunked body's end marker;
+``fake_delay_ms``: a whole answer sent that long after its request. A stream counts as *open*
 from its request until its last byte is written or its connection is lost (the gateway
 closed it). It stops writing while the gateway's socket is full (backpressure) and
 resumes when it drains. ``GET /metrics``: vLLM's three load gauges. ``POST /tokenize``
@@ -256,6 +257,12 @@ class _Conn(asyncio.Protocol):
                     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [7, 8],
                     "remote_engine_id": "fake-prefill", "remote_host": "127.0.0.1", "remote_port": 5600}
             body = json.dumps(answer).encode()
+            delay = float(doc.get("fake_delay_ms", 0)) / 1000
+            if delay:  # (an engine still computing: the gateway waits for its head)
+                asyncio.get_running_loop().call_later(
+                    delay, lambda: None if self.transport.is_closing() else self._reply(
+                        200, b"application/json", body))
+                return
             self._reply(200, b"application/json", body)
             return
         self.stats.open += 1

@@ -119,7 +119,12 @@ def test_a_chat_the_model_cannot_take_is_refused_before_tokenizing(engines, toke
         per_token = TokenizerRegistry.load([("fake", str(tokenizer))]).get("fake").max_token_chars()
         bound = CONTEXT * per_token
 
-        r = httpx.post(url, content=_chat(bound), timeout=30)  # at the bound: tokenized, served
+        # At the bound: tokenized, then refused on its ids (more than the context holds, as
+        # the engine would refuse it), without a trip to an engine.
+        r = httpx.post(url, content=_chat(bound), timeout=30)
+        assert r.status_code == 400, r.text[:300]
+        assert f"tokens; the limit is {CONTEXT} (max_model_len)" in r.json()["error"]["message"], r.text
+        r = httpx.post(url, content=_chat(2000), timeout=30)  # within the context: served
         assert r.status_code == 200, r.text[:300]
         r = httpx.post(url, content=_chat(bound + 1), timeout=30)
         assert r.status_code == 400, r.text
@@ -155,7 +160,7 @@ def test_a_chat_the_model_cannot_take_is_refused_before_tokenizing(engines, toke
         assert [s for s, _ in got] == [400] * 10, got
         assert max(t for _, t in got) < 2, got
         assert peak - rss0 < 60, (peak, rss0)
-        # only the chat at the bound reached an engine
+        # only the chat within the context reached an engine
         assert g.metric("kvevents_gateway_requests_total", status="200") == 1
         assert "Traceback" not in g.log_text()
 
@@ -174,3 +179,21 @@ def test_the_lookup_api_refuses_text_over_max_prompt_tokens_before_tokenizing(en
             r = httpx.post(g.url + path, json={"model": "fake", "prompt": _text(1000)}, timeout=10)
             assert r.status_code == 400 and r.json()["field"] == "prompt", r.text
             assert "tokens; the limit is 100" in r.json()["error"], r.text
+
+
+def test_an_images_data_is_not_counted_as_prompt_characters(engines, tokenizer):
+    """A chat with a large image (a 300,000-character data URL) under a 4,096-token
+    context, whose text bound is far less: its text is short, so the gateway routes it
+    and the lookup API answers it; the same characters as text are refused."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 300_000}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+    with GatewayProcess(engines.urls, "--tokenizer", f"fake={tokenizer}") as g:
+        url = g.url + "/v1/chat/completions"
+        assert wait_for(lambda: httpx.post(url, content=_chat(2_000_000), timeout=10).status_code == 400, 10)
+        r = httpx.post(url, json={"model": "fake", "max_tokens": 4, "messages": messages}, timeout=30)
+        assert r.status_code == 200, r.text[:300]
+        r = httpx.post(g.url + "/v1/lookup", json={"model": "fake", "messages": messages}, timeout=30)
+        assert r.status_code == 200, r.text[:300]
+        as_text = [{"role": "user", "content": [{"type": "text", "text": "A" * 300_000}]}]
+        r = httpx.post(url, json={"model": "fake", "max_tokens": 4, "messages": as_text}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]

@@ -1,8 +1,12 @@
-"""One JSON error shape for every 4xx/5xx: ``{"error": message, "field": name|null}``.
+"""One JSON error shape for every 4xx/5xx: ``{"error": message, "field": name|null}``,
+and one error type to raise for it: :class:`~kvevents.text.prompt.InputError` (also
+named :data:`ApiError` here), whether a handler, the router or the prompt's limits
+refuse the request.
 
 ``field`` names the offending request field (``token_ids``, ``token_ids[3]``, ``name``,
 ``limit``...) so a client can tell what to fix. A rejected request changes nothing:
-validation happens before any handler touches state.
+validation happens before any handler touches state. (The gateway's OpenAI endpoints
+answer in OpenAI's shape instead: :mod:`kvevents.gateway.errors`.)
 """
 
 from __future__ import annotations
@@ -15,16 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvevents.text.prompt import InputError
 
 
-class ApiError(Exception):
-    """Raise from a handler to answer ``status`` with a named field."""
-
-    def __init__(self, status: int, message: str, field: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
-        self.headers = headers
+#: The API's error: raise it from a handler to answer ``status`` with a named field.
+ApiError = InputError
 
 
 def error_response(status: int, message: str, field: str | None = None,
@@ -42,13 +38,9 @@ def _field_of(loc: tuple) -> str | None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.field, exc.headers)
-
-    @app.exception_handler(InputError)  # refused by the router or the prompt's tokenizer
+    @app.exception_handler(InputError)  # a handler's, the router's, the prompt's limits'
     async def _input_error(_: Request, exc: InputError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.field)
+        return error_response(exc.status, exc.message, exc.field, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

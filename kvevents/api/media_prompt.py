@@ -23,10 +23,12 @@ import msgspec
 
 from kvevents.api.body import LookupBody
 from kvevents.gateway import Gateway, OpenAIError
+from kvevents.gateway.media import without_media
 from kvevents.gateway.prompt import CHAT, parse_request
 from kvevents.index import MediaItem, media_items
 from kvevents.routing.offloop import prompt_token_ids
-from kvevents.text.prompt import InputError, check_length
+from kvevents.text.limits import PromptLimits
+from kvevents.text.prompt import InputError
 
 __all__ = ["body_prompt"]
 
@@ -51,6 +53,10 @@ async def body_prompt(state: Any, body: LookupBody, limit: int, max_chars: int
     if body.token_ids is not None or body.prompt is not None or body.features is not None:
         raise InputError(422, "give exactly one of token_ids, prompt or messages", "messages")
     gateway: Gateway = state.gateway
+    limits = PromptLimits(max_chars, limit)
+    tok = state.tokenizers.get(body.model)  # (the media parts' data is not counted)
+    limits.check_text(without_media(msgspec.to_builtins(body.messages)), "messages",
+                      tok.max_token_chars() if tok else None)
     ids, partial, media = await _media_ids(gateway, body)
     if ids is None:
         raise InputError(422, "messages with media parts need an engine serving the model that "
@@ -58,7 +64,7 @@ async def body_prompt(state: Any, body: LookupBody, limit: int, max_chars: int
                               "model", "messages")
     if partial is not None:
         gateway.metrics.unscored(partial)
-    check_length(ids, limit, "messages")
+    limits.check_ids(ids, "messages")
     return ids, media
 
 

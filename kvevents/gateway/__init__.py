@@ -2,8 +2,11 @@
 
 Files::
 
-    proxy.py    Gateway: route (index + load + session), forward unchanged, stream back,
-                retry before the first byte, account; the request's whole life
+    proxy.py    Gateway: a request's whole life, top to bottom: parse, targets, identity
+                and tokens, choose (index + load + session), send (retry before the
+                first byte), answer (streamed back unchanged, or whole)
+    lifecycle.py  the request's state (Call): its slot, its send's load, its engine
+                connection and its count, given back and counted once however it ends
     disagg.py   prefill/decode disaggregation: the pools, the skip, the prefill hop and
                 its fallbacks (engines' roles)
     relay.py    a streamed answer as one response owning the engine's stream and the

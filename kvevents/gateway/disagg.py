@@ -37,13 +37,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-import numpy as np
-from starlette.requests import Request
 
 from kvevents.engines import EngineSpec
 from kvevents.gateway.answers import cached_tokens, expected_cached
@@ -54,6 +51,9 @@ from kvevents.gateway.prompt import CHAT, COMPLETIONS, OpenAIRequest
 from kvevents.gateway.relay import read_whole
 from kvevents.gateway.upstream import UpstreamError, UpstreamResponse
 from kvevents.routing import RouteDecision
+
+if TYPE_CHECKING:  # (the lifecycle imports the gateway's modules)
+    from kvevents.gateway.lifecycle import Call, Load
 
 __all__ = ["DISAGGREGATED", "Disaggregation", "Hop", "Pools"]
 
@@ -76,19 +76,11 @@ class Gateway(Protocol):
 
     loads: EngineLoads
 
-    async def _decide(self, ids: Sequence[int] | None, arr: np.ndarray | None, model: str | None,
-                      by_name: dict[str, EngineSpec], tried: set[str], session: str | None,
-                      identity: tuple, balance: bool = True) -> RouteDecision: ...
+    async def _decide(self, call: Call, by_name: dict[str, EngineSpec], tried: set[str],
+                      prefill: bool = False) -> RouteDecision: ...
 
-    def _on_way(self, flight: list, engine: str, decision: RouteDecision, predicted: int,
-                arr: np.ndarray | None, model: str | None, ids: Sequence[int] | None,
-                session: str | None, ident: bytes = b"") -> None: ...
-
-    async def _send(self, request: Request, engine: EngineSpec, req: OpenAIRequest,
-                    headers: list[tuple[bytes, bytes]], on_way: Callable[[], None]
+    async def _send(self, call: Call, engine: EngineSpec, req: OpenAIRequest, load: Load
                     ) -> UpstreamResponse | UpstreamError: ...
-
-    def _landed(self, engine: str, flight: list) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,15 +151,13 @@ class Disaggregation:
 
     # -- the prefill hop ------------------------------------------------------------------
 
-    async def prefill(self, gw: Gateway, request: Request, req: OpenAIRequest,
-                      ids: Sequence[int] | None, arr: np.ndarray | None, decode: RouteDecision,
-                      pools: Pools, model: str | None, identity: tuple,
-                      headers: list[tuple[bytes, bytes]]) -> Hop:
-        """Run the prefill hop for a request (for ``model``, under the index's
-        ``identity``) whose decode engine is ``decode``'s choice (see the module
-        docstring); returns the decode hop's request. Raises :class:`OpenAIError` 499
-        when the client left meanwhile."""
-        n = len(ids) if ids else 0
+    async def prefill(self, gw: Gateway, call: Call, decode: RouteDecision, pools: Pools) -> Hop:
+        """Run the prefill hop for ``call`` (its prompt, identity and headers), whose
+        decode engine is ``decode``'s choice (see the module docstring); returns the decode
+        hop's request. Raises :class:`OpenAIError` 499 when the client left meanwhile."""
+        req = call.req
+        assert req is not None
+        n = len(call.ids) if call.ids else 0
         reason = self.skip_reason(decode, n) if pools.prefill else "no_prefill"
         if reason is not None:
             return self._decided(reason, Hop(req))
@@ -183,18 +173,14 @@ class Disaggregation:
         tried: set[str] = set()
         for _ in range(_TRIES):
             try:
-                # (no pull toward even request counts: a prefill engine's work is the part
-                # of the prompt it lacks, and its load still counts)
-                decision = await gw._decide(ids, arr, model, by_name, tried, None, identity,  # noqa: SLF001
-                                            balance=False)
+                decision = await gw._decide(call, by_name, tried, prefill=True)  # noqa: SLF001
             except OpenAIError:  # every prefill engine tried
                 break
-            params = await self._one(gw, request, first, decision, by_name[decision.engine], ids, arr,
-                                     model, identity[3], headers)
+            params = await self._one(gw, call, first, decision, by_name[decision.engine])
             if params is not False:
-                bs = decode.block_size or decision.block_size or self._block_size.get(model, 0)
+                bs = decode.block_size or decision.block_size or self._block_size.get(call.model, 0)
                 if bs:
-                    self._block_size[model] = bs
+                    self._block_size[call.model] = bs
                 return self._decided("disaggregated", Hop(
                     req if not params else dataclasses.replace(
                         req, body=msgspec.json.encode({**doc, "kv_transfer_params": params})),
@@ -202,25 +188,23 @@ class Disaggregation:
             tried.add(decision.engine)
         return self._decided("prefill_failed", Hop(req))
 
-    async def _one(self, gw: Gateway, request: Request, first: OpenAIRequest, decision: RouteDecision,
-                   engine: EngineSpec, ids: Sequence[int] | None, arr: np.ndarray | None,
-                   model: str | None, ident: bytes, headers: list[tuple[bytes, bytes]]) -> dict | None | bool:
+    async def _one(self, gw: Gateway, call: Call, first: OpenAIRequest, decision: RouteDecision,
+                   engine: EngineSpec) -> dict | None | bool:
         """One prefill engine's try: the ``kv_transfer_params`` it returned (None: none),
         or False when it failed. Its load, in-flight prompt and cached tokens (predicted
         against reported) are accounted as any request's on its engine."""
         t0 = time.perf_counter()
-        predicted = expected_cached(decision, len(ids) if ids else 0)
-        flight: list = []
-        on_way = partial(gw._on_way, flight, engine.name, decision, predicted, arr, model, ids,  # noqa: SLF001
-                         None, ident)
+        model = call.model
+        predicted = expected_cached(decision, len(call.ids) if call.ids else 0)
+        load = call.load_on(engine.name, decision, predicted)
         try:
-            upstream = await gw._send(request, engine, first, headers, on_way)  # noqa: SLF001
+            upstream = await gw._send(call, engine, first, load)  # noqa: SLF001
             if isinstance(upstream, UpstreamError):
                 return self._failed(engine.name, upstream)
             try:
                 body = upstream.body_now()
                 if body is None:
-                    body = await read_whole(request, upstream, engine.name, self.timeout_s)
+                    body = await read_whole(call.request, upstream, engine.name, self.timeout_s)
             finally:
                 upstream.close()
             if isinstance(body, OpenAIError):
@@ -230,7 +214,7 @@ class Disaggregation:
             if upstream.status_code != 200:
                 return self._failed(engine.name, f"HTTP {upstream.status_code}")
         finally:
-            gw._landed(engine.name, flight)  # noqa: SLF001
+            load.leave()
         self.metrics.pd_prefill(model, time.perf_counter() - t0)
         reported = cached_tokens(body)
         if reported is not None:

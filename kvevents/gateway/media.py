@@ -54,7 +54,7 @@ import msgspec
 from kvevents.gateway.errors import OpenAIError
 from kvevents.index import MediaItem, media_items
 
-__all__ = ["MEDIA_PARTS", "PROMPT_EMBEDS", "REASONS", "RENDER_PATH", "SENTINEL", "Renderer",
+__all__ = ["MEDIA_PARTS", "PROMPT_EMBEDS", "REASONS", "RENDER_PATH", "SENTINEL", "Renderer", "without_media",
            "before_media", "check_embeds", "first_media", "parse_render", "render_body", "text_before"]
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,16 @@ def first_media(messages: Any) -> str | None:
                     if kind is not None:
                         return kind
     return None
+
+
+def without_media(messages: Any) -> Any:
+    """The messages with their media parts left out: what counts toward a prompt's
+    characters (an image's data URL is not text the template renders: it becomes the
+    model's placeholder tokens, whatever its size)."""
+    if not isinstance(messages, list):
+        return messages
+    return [{**m, "content": [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in MEDIA_PARTS)]}
+            if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
 
 
 def check_embeds(raw: msgspec.Raw) -> None:

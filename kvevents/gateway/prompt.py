@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.media import (PROMPT_EMBEDS, Renderer, before_media, check_embeds, first_media,
-                                    text_before)
+                                    text_before, without_media)
 from kvevents.gateway.parity import TokenParity
 from kvevents.index import MediaItem
 from kvevents.text import ChatTemplateError, TextTokenizer, TokenizerRegistry
@@ -231,10 +231,13 @@ def prompt_chars(req: OpenAIRequest) -> int:
     """Characters of a request's prompt text: a completion's string prompt, or every
     string in the chat messages (contents, content parts, tool calls' arguments, names:
     whatever a chat template may render), as :func:`~kvevents.text.limits.text_chars`
-    counts them for ``/v1/lookup`` and ``/v1/route``. One step per string."""
+    counts them for ``/v1/lookup`` and ``/v1/route``. One step per string. A chat's
+    media parts are not counted (:func:`~.media.without_media`)."""
     if req.kind not in MESSAGES:
         return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return text_chars(req.chat if req.chat is not None else req.messages)
+    if req.chat is not None:
+        return text_chars(req.chat)
+    return text_chars(without_media(req.messages) if req.partial is not None else req.messages)
 
 
 def _first_prompt(raw: msgspec.Raw) -> str | list[int]:
@@ -454,12 +457,3 @@ class PromptTokens:
             log.debug("engine /tokenize failed: %s", exc)
         return None
 
-
-def prompt_chars(req: OpenAIRequest) -> int:
-    """Characters of a request's prompt text: a completion's string prompt, or every
-    string in the chat messages (contents, content parts, tool calls' arguments, names:
-    whatever a chat template may render), as :func:`~kvevents.text.limits.text_chars`
-    counts them for ``/v1/lookup`` and ``/v1/route``. One step per string."""
-    if req.kind != CHAT:
-        return len(req.prompt) if isinstance(req.prompt, str) else 0
-    return text_chars(req.chat if req.chat is not None else req.messages)

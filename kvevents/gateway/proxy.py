@@ -1,34 +1,40 @@
 """The KV-aware OpenAI gateway: each request routed by the in-process index and the
 engines' load, forwarded byte for byte, streamed back, and accounted.
 
-Per request (each endpoint of :mod:`.endpoints`: ``POST /v1/chat/completions``,
+A request's life (each endpoint of :mod:`.endpoints`: ``POST /v1/chat/completions``,
 ``/v1/completions``, ``/v1/responses``, and, routed by load alone, ``/v1/embeddings``,
-``/tokenize``, ``/detokenize``):
+``/tokenize``, ``/detokenize``) is :meth:`Gateway.handle`, read top to bottom, with its
+state in one :class:`~.lifecycle.Call` that owns its slot, load, engine connection and
+count (:mod:`.lifecycle`: one release, one count, however it ends):
 
-1. the bearer token (``api_key``), then the concurrency bound (``max_inflight``: past
-   it, 503 with ``Retry-After``): the request holds its slot from here, before its body
-   is read, to its answer's last byte (a streamed answer's :class:`~.relay.Relay` gives
-   it back); then the body (:mod:`.prompt`: model, stream, prompt; a client that leaves
-   while sending it is a 499), and (its model known, 2.) its prompt's characters
-   (``max_prompt_chars``, or fewer if the model's ``max_model_len`` cannot hold more;
-   checked before tokenizing: an oversized prompt costs no tokenizer memory);
+0. admitted: the bearer token (``api_key``), then the concurrency bound
+   (``max_inflight``: past it, 503 with ``Retry-After``). The call holds its slot from
+   here, before its body is read, to its answer's last byte;
+1. the body (:mod:`.endpoints`' parser: model, stream, prompt; a client that leaves
+   while sending it is a 499);
 2. the targets: followed engines with an ``http`` URL serving the model (or adapter:
-   :mod:`.catalog`, which also gives the prompt's identity with its ``cache_salt``),
-   reachable (:mod:`.load`); none: 503 with ``Retry-After``;
-3. the prompt's token ids, the stored response a Responses follow-up names (its engine:
-   :mod:`.responses`), the session pin (``x-session-id``: a conversation stays on
+   :mod:`.catalog`), reachable (:mod:`.load`); none serve it: 404; none reachable: 503
+   with ``Retry-After``; a model with prefill engines (``role=prefill``) is
+   disaggregated (:mod:`.disagg`): the targets are its decode engines;
+3. the identity and tokens: the prompt's cache identity (model, adapter,
+   ``cache_salt``, media items) and its token ids, within the prompt's limits
+   (:class:`~kvevents.text.limits.PromptLimits`, the lookup API's: characters before
+   tokenizing, so an oversized prompt costs no tokenizer memory, and ids after, under
+   the model's ``max_model_len``);
+4. the choice: the engine that stored the response a Responses follow-up names
+   (:mod:`.responses`), the session pin (``x-session-id``: a conversation stays on
    its engine while that engine is a target and not overloaded), else the policy's
-   choice (:class:`~kvevents.routing.Router`: longest cached prefix per tier against
-   load; engines whose event stream is down are chosen only when all are);
-   a model with prefill engines (``role=prefill``) is disaggregated (:mod:`.disagg`):
-   the choice is among its decode engines, and the prompt may first go to a prefill
-   engine (the prefill hop), whose ``kv_transfer_params`` the body then carries;
-4. the body sent unchanged to the engine. A refused connection, or a 5xx before the
-   first byte, is sent once more to the next choice (``kvevents_gateway_retries_total``);
-   after the first byte nothing is retried;
-5. the answer streamed back unchanged (:mod:`.relay`). A client that goes away, at any
-   moment from its body's end to the answer's last byte, closes the upstream request
-   (vLLM then aborts it); so does ``timeout_s`` without an answer.
+   (:class:`~kvevents.routing.Router`: longest cached prefix per tier against load;
+   engines whose event stream is down are chosen only when all are); a disaggregated
+   request's prompt may first go to a prefill engine (the prefill hop), whose
+   ``kv_transfer_params`` the body then carries;
+5. the send: the body unchanged to the engine. A refused connection, or a 5xx before
+   the first byte, is sent once more to the next choice
+   (``kvevents_gateway_retries_total``); after the first byte nothing is retried;
+6. the answer streamed back unchanged (:mod:`.relay`) or whole. A client that goes
+   away, at any moment from its body's end to the answer's last byte, closes the
+   upstream request (vLLM then aborts it); so does ``timeout_s`` without an answer.
+   The answer ends the call once its last byte is written.
 
 Every request ends in exactly one ``kvevents_gateway_requests_total`` sample, and the
 decision is logged at debug level and published on the feed (``route``). Lifecycle:
@@ -44,7 +50,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 
 import httpx
@@ -56,11 +62,12 @@ from kvevents.engines import EngineSpec
 from kvevents.gateway.answers import (WholeAnswer, answer_headers, cached_tokens, expected_cached,
                                       stream_cached_tokens)
 from kvevents.gateway.catalog import ModelCatalog, identity_digest
-from kvevents.gateway.disagg import Disaggregation, Hop
-from kvevents.gateway.endpoints import ENDPOINTS, Endpoint
+from kvevents.gateway.disagg import Disaggregation, Pools
+from kvevents.gateway.endpoints import ENDPOINTS
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.headers import DROP as _DROP, DROP_KEYED as _DROP_KEYED, with_rank
 from kvevents.gateway.inflight import InflightPrompts
+from kvevents.gateway.lifecycle import Call, Load
 from kvevents.gateway.load import EngineLoads
 from kvevents.gateway.memory import MemoryTrim
 from kvevents.gateway.metrics import GatewayMetrics
@@ -73,8 +80,8 @@ from kvevents.gateway.upstream import (UpstreamAborted, UpstreamConnectError, Up
                                        UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router
 from kvevents.text import TokenizerRegistry
-from kvevents.text.limits import chars_limit, check_chars
-from kvevents.text.prompt import InputError, check_length
+from kvevents.text.limits import PromptLimits
+from kvevents.text.prompt import InputError
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +108,7 @@ class Gateway:
         self.max_inflight = max_inflight
         self.poll_interval_s = poll_interval_s
         self.busy_poll_interval_s = busy_poll_interval_s  # while routing (see load.py)
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_prompt_chars = max_prompt_chars
+        self.limits = PromptLimits(max_prompt_chars, max_prompt_tokens)  # (the lookup API's too)
         self.loads = EngineLoads(prefill_tokens_per_request)
         self.flights = InflightPrompts()  # prompts sent and not finished, per engine
         self.sessions: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -183,59 +189,49 @@ class Gateway:
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def handle(self, request: Request, kind: str) -> Response:
-        """One OpenAI request; never raises (errors are OpenAI-shaped answers). Its slot
-        is taken before the body is read (a body sent late cannot slip past the bound)
-        and given back when the answer's last byte is sent: here for every answer but a
-        streamed one, by its :class:`Relay` for that."""
+        """One OpenAI request, its whole life (the module docstring's steps); never raises
+        but for a bug or a cancellation (errors are OpenAI-shaped answers). Its
+        :class:`~.lifecycle.Call` holds the slot from before the body is read; the answer
+        returned owns the call's end from then on (its last byte written), else the
+        call ends here."""
         t0 = time.perf_counter()
         try:
             self.check_key(request)
             if self.inflight >= self.max_inflight:
                 raise OpenAIError(503, f"the gateway has {self.inflight} requests in flight "
                                        "(max_inflight); retry shortly", headers={"Retry-After": "1"})
-        except OpenAIError as exc:
+        except OpenAIError as exc:  # (no slot taken: counted as refused)
             self.metrics.refused(None, exc.status)
             return exc.response()
-        self.inflight += 1
-        self.trim.started(self.inflight)
-        relayed = False
-        req: OpenAIRequest | None = None
+        call = Call(self, request, ENDPOINTS[kind], t0)
         try:
-            try:
-                body = body_now(request.scope)
-                if body is None:
-                    body = await request.body()
-            except ClientDisconnect:  # left mid-upload (or timed out by the server)
-                raise OpenAIError(499, "client closed the request while sending its body") from None
-            row = ENDPOINTS[kind]
-            req = row.parse(body)
-            response = await self._serve(request, req, row, t0)
-            relayed = isinstance(response, Relay)
-            return response
+            call.req = call.row.parse(await self._body(request))  # 1. the body
+            reachable, pools = self._targets_of(call)  # 2. the engines it may go to
+            await self._identify(call, reachable)  # 3. its identity and token ids
+            await self._choose_and_send(call, reachable, pools)  # 4. and 5. choose, send, retry
+            return await self._answer(call)  # 6. the answer, which ends the call
         except (OpenAIError, InputError) as exc:  # (InputError: the prompt's limits)
-            err = exc if isinstance(exc, OpenAIError) else OpenAIError(exc.status, exc.message, exc.field)
-            self.metrics.refused(req.model if req else None, err.status)
-            return err.response()
-        finally:
-            if not relayed:
-                self.inflight -= 1
-                self.trim.ended()
+            return call.fail(exc)
+        except BaseException as exc:
+            call.end(499 if isinstance(exc, asyncio.CancelledError) else 500)
+            raise
 
-    def _check_chars(self, req: OpenAIRequest, model: str | None, field: str) -> None:
-        """The lookup API's 400 (:mod:`kvevents.text.limits`) for a prompt with more
-        characters than ``max_prompt_chars``, or than ``model``'s context (``max_model_len``,
-        within ``max_prompt_tokens``) can hold, before tokenizing it (~150 MB per million
-        characters). A chat whose JSON is within the limit is not counted: O(1)."""
-        ctx = min(self.catalog.context_len(model) or self.max_prompt_tokens, self.max_prompt_tokens)
-        if req.kind in MESSAGES and len(req.messages_json) <= min(ctx, self.max_prompt_chars):
-            return  # a JSON text's strings hold no more characters than its bytes
-        tok = self.tokenizers.get(model)
-        limit, why = chars_limit(self.max_prompt_chars, ctx, tok and tok.max_token_chars(),
-                                 "max_model_len" if ctx < self.max_prompt_tokens else "max_prompt_tokens")
-        check_chars(None, limit, field, why, prompt_chars(req))
+    async def _body(self, request: Request) -> bytes:
+        body = body_now(request.scope)
+        if body is not None:
+            return body
+        try:
+            return await request.body()
+        except ClientDisconnect:  # left mid-upload (or timed out by the server)
+            raise OpenAIError(499, "client closed the request while sending its body") from None
 
-    async def _serve(self, request: Request, req: OpenAIRequest, row: Endpoint, t0: float) -> Response:
-        model = self._model_of(req)
+    def _targets_of(self, call: Call) -> tuple[list[EngineSpec], Pools | None]:
+        """The reachable engines that may answer the call (a disaggregated model's: its
+        decode pool, with its ``pools``): 404 when no engine serves its model, 503 when
+        none is reachable."""
+        req = call.req
+        assert req is not None
+        call.model = model = self._model_of(req)
         targets = self.targets(model)
         if not targets:
             raise OpenAIError(404, f"no engine serves model {model!r} (served: "
@@ -247,78 +243,85 @@ class Gateway:
         if not reachable:
             raise OpenAIError(503, "no engine for this model is reachable now; retry shortly",
                               headers={"Retry-After": "2"})
-        reachable = self.homes.targets(req, targets, reachable)  # (a stored response's engine)
-        by_name = {s.name: s for s in reachable}
+        return self.homes.targets(req, targets, reachable), pools  # (a stored response's engine)
+
+    async def _identify(self, call: Call, reachable: list[EngineSpec]) -> None:
+        """The call's cache identity and prompt token ids (routed by load alone: none),
+        within the prompt's limits, and the headers forwarded."""
+        req, row, model = call.req, call.row, call.model
+        assert req is not None
         base, lora = self.catalog.identity(model, reachable)
-        ids = None
         if row.affinity and req.previous_response_id is None:  # (else: by load, or pinned)
-            self._check_chars(req, base if lora else model, row.prompt_field or "prompt")
-            ids = await self._ids(req, base, lora, reachable[0])
-        ident = identity_digest(lora, req.cache_salt, req.media)  # keys its prompt in flight
-        if ids is not None:  # (the same 400 as the characters' and the lookup API's)
-            check_length(ids, self.max_prompt_tokens, row.prompt_field or "prompt")
+            # The lookup API's limits (one path: kvevents.text.limits), under the model's
+            # context: a prompt it cannot hold is refused before tokenizing more than it
+            # could (~150 MB per million characters), or after, on its ids.
+            field, served = row.prompt_field or "prompt", base if lora else model
+            ctx = self.catalog.context_len(served)
+            tok = self.tokenizers.get(served)
+            self.limits.check_text(None, field, tok and tok.max_token_chars(), ctx,
+                                   count=partial(prompt_chars, req),
+                                   json_len=len(req.messages_json) if req.kind in MESSAGES else None)
+            call.ids = await self._ids(req, base, lora, reachable[0])
+            if call.ids is not None:
+                self.limits.check_ids(call.ids, field, ctx)
+                call.arr = np.asarray(call.ids, dtype=np.int64)
+        call.ident = identity_digest(lora, req.cache_salt, req.media)  # keys its prompt in flight
+        call.identity = (base if lora else model, lora, req.cache_salt, call.ident, req.media)
         drop = _DROP_KEYED if self.api_key else _DROP  # (the gateway's key stays here)
-        raw = request.scope["headers"]  # lowercase names (ASGI)
-        headers = [(k, v) for k, v in raw if k not in drop]
-        session = next((v.decode("latin-1") for k, v in raw if k == b"x-session-id"), None)
+        raw = call.request.scope["headers"]  # lowercase names (ASGI)
+        call.headers = [(k, v) for k, v in raw if k not in drop]
+        call.session = next((v.decode("latin-1") for k, v in raw if k == b"x-session-id"), None)
+
+    async def _choose_and_send(self, call: Call, reachable: list[EngineSpec], pools: Pools | None) -> None:
+        """Choose the engine, send the body, and send it once more to the next choice on a
+        refused connection or a 5xx before the first byte; ``call.upstream`` is then the
+        answer's head. A client gone meanwhile: 499; an engine failed: 502 / 504."""
+        by_name = {s.name: s for s in reachable}
         tried: set[str] = set()
-        arr = None if ids is None else np.asarray(ids, dtype=np.int64)
-        identity = (base if lora else model, lora, req.cache_salt, ident, req.media)
-        hop: Hop | None = None  # a disaggregated request's prefill hop (see disagg.py)
+        n = len(call.ids) if call.ids else 0
         while True:
-            decision = await self._decide(ids, arr, model, by_name, tried, session, identity)
+            decision = await self._decide(call, by_name, tried)
             engine = by_name[decision.engine]
-            if pools is not None and hop is None:  # (before the decode engine's first try)
-                hop = await self.pd.prefill(self, request, req, ids, arr, decision, pools, model,
-                                            identity, headers)
-            predicted = max(expected_cached(decision, len(ids) if ids else 0), hop.transferred if hop else 0)
-            # The request's load and prompt in flight, counted once it is on its way
-            # (see UpstreamPool.send: nothing else is decided before).
-            flight: list[tuple[int, tuple | None]] = []
-            on_way = partial(self._on_way, flight, engine.name, decision, predicted, arr, model,
-                             ids, session, ident)
-            try:
-                upstream = await self._send(request, engine, hop.request if hop else req, headers, on_way)
-            except OpenAIError as exc:  # the client left before any answer
-                self._landed(engine.name, flight)
-                self._count(engine.name, model, exc.status, t0, None)
-                return exc.response()
-            except BaseException:
-                self._landed(engine.name, flight)
-                raise
+            if pools is not None and call.hop is None:  # (before the decode engine's first try)
+                call.hop = await self.pd.prefill(self, call, decision, pools)
+            hop = call.hop
+            call.engine = engine.name
+            call.predicted = max(expected_cached(decision, n), hop.transferred if hop else 0)
+            # The request's load and prompt in flight, counted once it is on its way (see
+            # UpstreamPool.send: nothing else is decided before).
+            call.load = call.load_on(engine.name, decision, call.predicted)
+            upstream = await self._send(call, engine, hop.request if hop else call.req, call.load)
+            if isinstance(upstream, UpstreamResponse):
+                call.upstream = upstream
             retry = retry_reason(upstream, tried, len(by_name))
             if retry is None:
                 break
-            self._landed(engine.name, flight)
             self.metrics.retries.labels(retry).inc()
             log.warning("engine %s: %s before the first byte; sending the request to another engine",
                         engine.name, retry)
             tried.add(engine.name)
-            if isinstance(upstream, UpstreamResponse):
-                upstream.close()
-        if isinstance(upstream, Exception):
-            self._landed(engine.name, flight)
-            status = 504 if isinstance(upstream, UpstreamTimeout) else 502
-            self._count(engine.name, model, status, t0, None)
-            return OpenAIError(status, f"engine {engine.name} failed before answering: {upstream}",
-                               headers={"Retry-After": "1"}).response()
-        prefill = flight[0]  # (told before _send first waited: it is on its way)
-        if upstream.status_code == 404 and model is not None:  # an adapter unloaded there?
-            self.catalog.stale(engine.name)
-        if session:
-            self._pin(session, engine.name)
+            call.retry()
+        if isinstance(upstream, Exception):  # (counted on the engine that failed)
+            raise OpenAIError(504 if isinstance(upstream, UpstreamTimeout) else 502,
+                              f"engine {engine.name} failed before answering: {upstream}",
+                              headers={"Retry-After": "1"})
+
+    async def _answer(self, call: Call) -> Response:
+        """The engine's answer, streamed (a :class:`Relay`) or whole; either ends the call
+        once its last byte is written."""
+        upstream, req, row = call.upstream, call.req, call.row
+        assert upstream is not None and req is not None and call.engine is not None
+        if upstream.status_code == 404 and call.model is not None:  # an adapter unloaded there?
+            self.catalog.stale(call.engine)
+        if call.session:
+            self._pin(call.session, call.engine)
         if req.stream and row.streams and upstream.status_code < 400:
             if row.stored:  # (its id is in its first event: relayed through Python, see .responses)
-                try:
-                    rid = await first_event_id(upstream, request.scope, request.receive, self.timeout_s)
-                except BaseException:
-                    upstream.close()
-                    self._finished(engine.name, prefill)
-                    raise
-                self.homes.remember(rid, engine.name)
-            return self._stream(upstream, engine.name, model, predicted, prefill, t0, row.ends, hop)
-        self.pd.first_byte(hop, model)  # (a whole answer's: its head)
-        return await self._whole(request, upstream, engine.name, model, predicted, prefill, t0, row.stored)
+                rid = await first_event_id(upstream, call.request.scope, call.request.receive, self.timeout_s)
+                self.homes.remember(rid, call.engine)
+            return self._stream(call)
+        self.pd.first_byte(call.hop, call.model)  # (a whole answer's: its head)
+        return await self._whole(call)
 
     async def _ids(self, req: OpenAIRequest, base: str | None, lora: str | None,
                    engine: EngineSpec) -> Sequence[int] | None:
@@ -343,20 +346,23 @@ class Gateway:
             raise OpenAIError(400, f"model is required: the engines serve {', '.join(served)}", "model")
         return served[0] if served else None
 
-    async def _decide(self, ids: Sequence[int] | None, arr: np.ndarray | None, model: str | None,
-                      by_name: dict[str, EngineSpec], tried: set[str], session: str | None,
-                      identity: tuple, balance: bool = True) -> RouteDecision:
+    async def _decide(self, call: Call, by_name: dict[str, EngineSpec], tried: set[str],
+                      prefill: bool = False) -> RouteDecision:
+        """The policy's choice for ``call`` among ``by_name`` less ``tried`` (502 when
+        every one was tried); a session pinned to one of them stays there unless the
+        policy's load guard made it ineligible. ``prefill``: a disaggregated request's
+        prefill engine (no pull toward even request counts, no session; see .disagg)."""
         names = [n for n in by_name if n not in tried]
         if not names:
             raise OpenAIError(502, "every engine tried failed before answering", headers={"Retry-After": "1"})
-        index_model, lora, salt, ident, media = identity  # (the index's model, lora, salt, digest, items)
-        flying = {} if arr is None else self.flights.matches(arr, names, ident)
-        decision = await self.router.choose(ids, index_model, lora, self.loads.candidates(names, flying, balance),
+        index_model, lora, salt, ident, media = call.identity
+        flying = {} if call.arr is None else self.flights.matches(call.arr, names, ident)
+        decision = await self.router.choose(call.ids, index_model, lora,
+                                            self.loads.candidates(names, flying, not prefill),
                                             cache_salt=salt, media=media)
+        session = None if prefill else call.session
         pinned = self.sessions.get(session) if session else None
         if pinned is not None and pinned != decision.engine and pinned in names:
-            # A conversation stays where its history is unless that engine is overloaded
-            # (the policy's load guard made it ineligible).
             score = next((s for s in decision.scores if s.engine == pinned), None)
             if score is not None and score.eligible:
                 return RouteDecision(pinned, score.matched_tokens, score.tiers, decision.scores,
@@ -369,38 +375,19 @@ class Gateway:
         while len(self.sessions) > _SESSIONS:
             self.sessions.popitem(last=False)
 
-    def _on_way(self, flight: list, engine: str, decision: RouteDecision, predicted: int,
-                arr: np.ndarray | None, model: str | None, ids: Sequence[int] | None,
-                session: str | None, ident: bytes = b"") -> None:
-        """A request is on its way to ``engine``: its prefill tokens and prompt join the
-        engine's load (``flight`` gets the handle :meth:`_finished` takes back), and the
-        feed's route item is published after this turn of the loop."""
-        prefill = (max(0, (len(ids) if ids else 0) - predicted),
-                   None if arr is None else self.flights.add(engine, arr, ident))
-        flight.append(prefill)
-        self.loads.started(engine, prefill[0])
-        self.metrics.of(self.metrics.inflight, engine).inc()
-        asyncio.get_running_loop().call_soon(self._announce, decision, model, ids, session)
-
-    def _announce(self, decision: RouteDecision, model: str | None, ids: Sequence[int] | None,
-                  session: str | None) -> None:
-        log.debug("route %s -> %s: %s", model, decision.engine, decision.reason)
-        self.aggregator.feed.publish("route", {
-            "engine": decision.engine, "model": model, "prompt_tokens": len(ids) if ids else None,
-            "matched_tokens": decision.matched_tokens, "reason": decision.reason, "session": session})
-
-    async def _send(self, request: Request, engine: EngineSpec, req: OpenAIRequest,
-                    headers: list[tuple[bytes, bytes]], on_way: Callable[[], None]
+    async def _send(self, call: Call, engine: EngineSpec, req: OpenAIRequest, load: Load
                     ) -> UpstreamResponse | UpstreamError:
-        """The engine's response (headers read, body not), or the exception that stopped
-        it before any answer. A client gone meanwhile ends the wait (a 499) and closes
-        the engine's connection; awaited in this task (see :mod:`.pool`, also for
-        ``on_way``)."""
+        """The engine's response to ``req`` (headers read, body not), or the exception
+        that stopped it before any answer; ``load`` joins the engine's once the request
+        is on its way. A client gone meanwhile ends the wait (a 499) and closes the
+        engine's connection; awaited in this task (see :mod:`.pool`)."""
         assert engine.http is not None
+        request = call.request
         gone = client_gone(request.scope, request.receive)
         try:
-            return await self.upstream.send(engine.http, PATHS[req.kind], req.body, with_rank(headers, engine),
-                                            timeout_s=self.timeout_s, abort=gone, on_way=on_way)
+            return await self.upstream.send(engine.http, PATHS[req.kind], req.body,
+                                            with_rank(call.headers, engine), timeout_s=self.timeout_s,
+                                            abort=gone, on_way=load.join)
         except UpstreamAborted:
             raise OpenAIError(499, "client closed the request") from None
         except UpstreamConnectError as exc:
@@ -411,70 +398,40 @@ class Gateway:
         finally:
             gone.cancel()
 
-    def _landed(self, engine: str, flight: list[tuple[int, tuple | None]]) -> None:
-        """:meth:`_finished` for a request whose ``on_way`` may not have been told."""
-        for prefill in flight:
-            self._finished(engine, prefill)
-
-    def _finished(self, engine: str, prefill: tuple[int, tuple | None]) -> None:
-        """A request's end: its prefill tokens and its prompt leave the engine's load."""
-        self.loads.finished(engine, prefill[0])
-        if prefill[1] is not None:
-            self.flights.remove(prefill[1])
-        self.metrics.of(self.metrics.inflight, engine).dec()
-
-    def _count(self, engine: str, model: str | None, status: int, t0: float,
-               usage: tuple[int, int] | None) -> None:
-        """One request's end: its status, latency, and (reported, predicted) cached tokens."""
-        self.metrics.answered(engine, model, status, time.perf_counter() - t0, usage)
-        if usage is not None:
-            self.loads.of(engine).count_cached(*usage)
-
-    async def _whole(self, request: Request, upstream: UpstreamResponse, engine: str, model: str | None,
-                     predicted: int, prefill: tuple, t0: float, stored: bool = False) -> Response:
+    async def _whole(self, call: Call) -> Response:
         """A non-streamed answer (or an engine's error), read whole while watching the
-        client; taken at once when it came with its head (the common case: no task)."""
+        client; taken at once when it came with its head (the common case: no task). The
+        call ends once the answer is written."""
+        upstream, engine = call.upstream, call.engine
+        assert upstream is not None and engine is not None
         body = upstream.body_now()
-        held = body is not None  # engine connection and load released once written
         if body is None:
-            try:
-                body = await read_whole(request, upstream, engine, self.timeout_s)
-            finally:
-                upstream.close()
-                self._finished(engine, prefill)
+            body = await read_whole(call.request, upstream, engine, self.timeout_s)
             if isinstance(body, OpenAIError):
-                self._count(engine, model, body.status, t0, None)
-                return body.response()
+                return call.fail(body)
         status = upstream.status_code
+        stored = call.row.stored
 
         def after() -> None:  # once the answer is written: not on the client's clock
-            if held:
-                upstream.close()
-                self._finished(engine, prefill)
-            cached = cached_tokens(body) if status < 400 else None
-            self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+            call.end(status, cached_tokens(body) if status < 400 else None)
             if stored and status < 400:  # (a Responses answer: its id stored there)
                 self.homes.remember(response_id(body), engine)
 
         return WholeAnswer(body, status, answer_headers(upstream, engine), after)
 
-    def _stream(self, upstream: UpstreamResponse, engine: str, model: str | None,
-                predicted: int, prefill: tuple, t0: float, ends: tuple[bytes, ...],
-                hop: Hop | None = None) -> Relay:
-        """A streamed answer, relayed as the engine sends it; the relay's end releases
-        the request's slot and load and counts it (see :mod:`.relay`)."""
+    def _stream(self, call: Call) -> Relay:
+        """A streamed answer, relayed as the engine sends it; the relay's end ends the call."""
+        upstream, engine = call.upstream, call.engine
+        assert upstream is not None and engine is not None
+
         def first() -> None:
-            self.metrics.first_byte(model, time.perf_counter() - t0)
-            self.pd.first_byte(hop, model)
+            self.metrics.first_byte(call.model, time.perf_counter() - call.t0)
+            self.pd.first_byte(call.hop, call.model)
 
         def end(status: int, tail: bytes) -> None:
-            self.inflight -= 1
-            self.trim.ended()
-            self._finished(engine, prefill)
-            cached = stream_cached_tokens(tail) if status < 400 else None
-            self._count(engine, model, status, t0, None if cached is None else (cached, predicted))
+            call.end(status, stream_cached_tokens(tail) if status < 400 else None)
 
-        return Relay(upstream, answer_headers(upstream, engine), engine, first, end, ends)
+        return Relay(upstream, answer_headers(upstream, engine), engine, first, end, call.row.ends)
 
     # -- models -----------------------------------------------------------------------------
 

@@ -28,8 +28,8 @@ from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
 from kvevents.text.chat import ChatMessage
 from kvevents.text.chat_inputs import ChatOptions
-from kvevents.text.limits import chars_limit, check_chars
-from kvevents.text.prompt import check_length, chosen_input, text_encoder
+from kvevents.text.limits import PromptLimits
+from kvevents.text.prompt import chosen_input, text_encoder
 
 # Longest the event loop waits for the index lock before handing the wait to a thread.
 _LOOP_WAIT_S = 0.002
@@ -70,14 +70,14 @@ async def prompt_token_ids(tokenizers: TokenizerRegistry, limit: int, *, max_cha
     ``options`` (its ``tools``, ``add_special_tokens``...). Raises
     :class:`~kvevents.text.prompt.InputError` (400 for a prompt over either limit)."""
     field = chosen_input(token_ids, prompt, messages)
+    limits = PromptLimits(max_chars, limit)
     if field == "token_ids":
         ids = token_ids
     else:
         text = prompt if field == "prompt" else messages
         tok = tokenizers.get(model)
-        bound, why = chars_limit(max_chars, limit, tok.max_token_chars() if tok else None)
-        check_chars(text, bound, field, why)
+        limits.check_text(text, field, tok.max_token_chars() if tok else None)
         encode = text_encoder(tokenizers, model, field, text, options)  # type: ignore[arg-type]
         ids = await run_in_threadpool(encode)
-    check_length(ids, limit, field)  # type: ignore[arg-type]
+    limits.check_ids(ids, field)  # type: ignore[arg-type]
     return ids  # type: ignore[return-value]

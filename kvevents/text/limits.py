@@ -14,23 +14,27 @@ characters, so a longer text has more tokens than that and is refused as it woul
 after tokenizing, without tokenizing it. After tokenizing,
 :func:`~kvevents.text.prompt.check_length` is the same refusal (400) on the ids.
 
-Pure functions, no HTTP: the aggregator's ``/v1/lookup`` and ``/v1/route``
-(:func:`kvevents.routing.offloop.prompt_token_ids`) and the gateway
-(:meth:`kvevents.gateway.Gateway.handle`) call them; the gateway answers their
-:class:`~kvevents.text.prompt.InputError` in OpenAI's shape.
+:class:`PromptLimits` is the one path both surfaces take, no HTTP: the aggregator's
+``/v1/lookup`` and ``/v1/route`` (:func:`kvevents.routing.offloop.prompt_token_ids`, and
+a media chat's lookup) and the gateway (:meth:`kvevents.gateway.Gateway.handle`) call
+:meth:`~PromptLimits.check_text` before tokenizing and :meth:`~PromptLimits.check_ids`
+after; the gateway answers their :class:`~kvevents.text.prompt.InputError` in OpenAI's
+shape.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgspec
 from msgspec.structs import astuple
 
-from kvevents.text.prompt import InputError
+from kvevents.text.prompt import InputError, check_length
 from kvevents.text.token_chars import token_chars_bound
 
-__all__ = ["chars_limit", "check_chars", "text_chars", "token_chars_bound"]
+__all__ = ["PromptLimits", "chars_limit", "check_chars", "text_chars", "token_chars_bound"]
 
 
 def text_chars(value: object) -> int:
@@ -97,3 +101,42 @@ def check_chars(value: object, limit: int, field: str, why: str = "max_prompt_ch
     chars = text_chars(value) if chars is None else chars
     if chars > limit:
         raise InputError(400, f"{field} has {chars} characters; the limit is {limit} ({why})", field)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """A prompt's limits, one path for every surface: ``max_chars`` (``max_prompt_chars``)
+    and ``max_tokens`` (``max_prompt_tokens``), and per call the model's context
+    (``max_model_len``, when known: the lower of the two token limits holds). A prompt
+    over them is an :class:`InputError` 400 naming ``field``, before tokenizing
+    (:meth:`check_text`: at most the characters the token limit can hold are ever
+    tokenized) and after (:meth:`check_ids`)."""
+
+    max_chars: int
+    max_tokens: int
+
+    def tokens(self, context: int | None = None) -> tuple[int, str]:
+        """(the most tokens a prompt may have, what sets it)."""
+        if context is not None and context < self.max_tokens:
+            return context, "max_model_len"
+        return self.max_tokens, "max_prompt_tokens"
+
+    def check_text(self, value: object, field: str, token_chars: int | None,
+                   context: int | None = None, *, count: Callable[[], int] | None = None,
+                   json_len: int | None = None) -> None:
+        """Refuse ``value`` (a prompt, chat messages) with more characters than worth
+        tokenizing (:func:`chars_limit`; ``token_chars``: the tokenizer's
+        :func:`token_chars_bound`, None: unknown). ``count``: counts them instead of
+        :func:`text_chars` (``value`` then unused); ``json_len``: the bytes of the
+        messages' JSON, which hold at least as many characters as its strings: within the
+        limit, nothing is counted (O(1))."""
+        tokens, name = self.tokens(context)
+        if json_len is not None and json_len <= min(tokens, self.max_chars):
+            return
+        limit, why = chars_limit(self.max_chars, tokens, token_chars, name)
+        check_chars(value, limit, field, why, count() if count is not None else None)
+
+    def check_ids(self, ids: Sequence[int], field: str, context: int | None = None) -> None:
+        """Refuse more token ids than :meth:`tokens` allows."""
+        limit, why = self.tokens(context)
+        check_length(ids, limit, field, why)

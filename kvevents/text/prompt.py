@@ -19,13 +19,19 @@ INPUTS = ("token_ids", "prompt", "messages")
 
 
 class InputError(ValueError):
-    """A request the service refuses: ``status`` (a 4xx), a message, the field to fix."""
+    """A request the service refuses: ``status`` (a 4xx; a 503 for a condition of the
+    moment), a message, the field to fix, and headers for the answer (``Retry-After``).
+    The aggregator's API answers it as ``{"error": message, "field": field}``
+    (:mod:`kvevents.api.errors`, where it is also named ``ApiError``); the gateway in
+    OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+    def __init__(self, status: int, message: str, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.field = field
+        self.headers = headers
 
 
 def chosen_input(token_ids: object, prompt: object, messages: object) -> str:
@@ -67,8 +73,10 @@ def text_encoder(tokenizers: TokenizerRegistry, model: str | None, field: str,
     return encode_chat
 
 
-def check_length(ids: Sequence[int], limit: int, field: str) -> None:
+def check_length(ids: Sequence[int], limit: int, field: str, why: str = "") -> None:
     """400 on ``field`` for more than ``limit`` tokens: the same status as a prompt
-    refused by its characters before tokenizing (:mod:`kvevents.text.limits`)."""
+    refused by its characters before tokenizing (:mod:`kvevents.text.limits`); ``why``:
+    what sets the limit, for the message."""
     if len(ids) > limit:
-        raise InputError(400, f"{field} has {len(ids)} tokens; the limit is {limit}", field)
+        raise InputError(400, f"{field} has {len(ids)} tokens; the limit is {limit}"
+                              + (f" ({why})" if why else ""), field)
