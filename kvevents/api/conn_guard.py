@@ -35,9 +35,10 @@ close as ``early_answer``). Cost on the common path: a request that arrives in o
 arms no timer at all; one that spans packets arms one timer.
 
 It also offers each request's connection to the gateway's streamed answers
-(``scope["extensions"]["kvevents.direct"]``, :mod:`kvevents.gateway.relay`): their body
+(:data:`kvevents.gateway.server_ext.DIRECT`, :mod:`kvevents.gateway.relay`): their body
 is written to the socket as the engine sends it, and :attr:`on_writable` is called when
-the socket drains after being full.
+the socket drains after being full (the engine then reads again:
+:mod:`kvevents.gateway.flow`).
 
 Lifecycle: one instance per connection, made by uvicorn; :func:`guarded_class` makes the
 class for one app and its limits. It relies on ``HttpToolsProtocol``'s ``connection_made``,
@@ -55,7 +56,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvevents.gateway.relay import DIRECT
+from kvevents.gateway.server_ext import DIRECT
 
 log = logging.getLogger(__name__)
 

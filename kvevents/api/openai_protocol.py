@@ -44,7 +44,7 @@ from starlette.requests import Request
 from kvevents.api.lookup_protocol import LookupHttpProtocol
 from kvevents.gateway.errors import error_body
 from kvevents.gateway.endpoints import ENDPOINTS
-from kvevents.gateway.relay import BODY, DIRECT, GONE
+from kvevents.gateway.server_ext import BODY, DIRECT, GONE
 
 log = logging.getLogger(__name__)
 
