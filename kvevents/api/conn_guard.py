@@ -56,6 +56,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvevents.api.http_head import error_bytes, response_head
 from kvevents.gateway.server_ext import DIRECT
 
 log = logging.getLogger(__name__)
@@ -88,14 +89,17 @@ class ConnLimits:
         return cls(settings.max_connections, settings.header_timeout_s, settings.body_timeout_s)
 
 
-def _answer(status: bytes, message: bytes) -> bytes:
-    body = b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":null}}' % message
-    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body))
+def _answer(status: int, message: str) -> bytes:
+    """An answer the guard writes before any request of the connection (so without the
+    server's default headers), in OpenAI's shape: the gateway's clients read it."""
+    head_and_body, _, _ = response_head(status, [], ((b"content-type", b"application/json"),
+                                                     (b"retry-after", b"1")),
+                                        False, error_bytes(status, message, openai=True))
+    return head_and_body
 
 
-_TIMEOUT = _answer(b"408 Request Timeout", b"the request head did not arrive in time")
-_BUSY = _answer(b"503 Service Unavailable", b"too many connections; retry shortly")
+_TIMEOUT = _answer(408, "the request head did not arrive in time")
+_BUSY = _answer(503, "too many connections; retry shortly")
 
 
 def _cycle_init_names() -> tuple[str, ...]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvevents.api.http_head import error_bytes
 from kvevents.text.prompt import InputError
 
 
@@ -28,8 +29,9 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, field: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message, "field": field}, status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None) -> Response:
+    return Response(error_bytes(status, message, field, openai=False), status_code=status,
+                    headers=headers, media_type="application/json")
 
 
 def _field_of(loc: tuple) -> str | None:
@@ -43,15 +45,15 @@ def _field_of(loc: tuple) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(_: Request, exc: ApiError) -> Response:
         return error_response(exc.status, exc.message, exc.field, exc.headers)
 
     @app.exception_handler(InputError)  # refused by the router or the prompt's tokenizer
-    async def _input_error(_: Request, exc: InputError) -> JSONResponse:
+    async def _input_error(_: Request, exc: InputError) -> Response:
         return error_response(exc.status, exc.message, exc.field)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
         first = errors[0] if errors else {}
         field = _field_of(tuple(first.get("loc", ())))
@@ -65,5 +67,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(422, msg, field)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
