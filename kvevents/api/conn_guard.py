@@ -45,7 +45,7 @@ class for one app and its limits. It relies on ``HttpToolsProtocol``'s ``connect
 ``data_received``, ``on_headers_complete``, ``on_message_complete``,
 ``on_response_complete``, ``connection_lost`` and its ``loop``, ``transport``,
 ``connections``, ``pipeline``, ``flow``, ``headers`` and ``server_state`` attributes and its
-cycle's ``transport`` (checked by :func:`guarded_class`).
+cycle's ``transport`` (:func:`uvicorn_fits`, which :func:`guarded_class` runs, checks them).
 """
 
 from __future__ import annotations
@@ -66,10 +66,13 @@ try:  # uvicorn's compiled-parser protocol (httptools is a dependency)
 except ImportError:  # pragma: no cover - an install without httptools
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
-__all__ = ["ConnLimits", "GuardedHttpProtocol", "guarded_class"]
+__all__ = ["ConnLimits", "GuardedHttpProtocol", "guarded_class", "uvicorn_fits"]
 
-_USED = ("connection_made", "data_received", "on_headers_complete", "on_message_complete",
-         "on_response_complete", "connection_lost", "resume_writing")
+#: What this module and :mod:`~kvevents.api.server_protocol` override or call of
+#: uvicorn's protocol (checked by :func:`uvicorn_fits`).
+_USED = ("connection_made", "data_received", "on_headers_complete", "on_body",
+         "on_message_complete", "on_response_complete", "shutdown", "connection_lost",
+         "resume_writing")
 
 
 @dataclass(frozen=True)
@@ -112,14 +115,23 @@ def _cycle_init_names() -> tuple[str, ...]:
         return ()
 
 
-def guarded_class(app, limits: ConnLimits, base: type | None = None) -> type | None:
-    """The protocol class for ``app`` with ``limits`` (``base``: a subclass of
-    :class:`GuardedHttpProtocol` to specialise), or None when the installed uvicorn
-    lacks what it relies on (uvicorn's own protocol then runs, without these limits)."""
+def uvicorn_fits() -> bool:
+    """The one check that the installed uvicorn's protocol has what the protocols of
+    ``kvevents serve`` rely on (this module's and the hot paths'); logged when not."""
     if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED) \
             or "transport" not in _cycle_init_names():
         log.warning("uvicorn's httptools protocol is not the expected one: no header/body "
-                    "timeouts or connection cap")
+                    "timeouts or connection cap, and every request goes through the ASGI app")
+        return False
+    return True
+
+
+def guarded_class(app, limits: ConnLimits, base: type | None = None) -> type | None:
+    """The protocol class for ``app`` with ``limits`` (``base``: a subclass of
+    :class:`GuardedHttpProtocol` to specialise), or None when the installed uvicorn
+    lacks what it relies on (:func:`uvicorn_fits`; uvicorn's own protocol then runs,
+    without these limits, and the app answers everything)."""
+    if not uvicorn_fits():
         return None
     base = base or GuardedHttpProtocol
     return type(base.__name__, (base,), {"guard_app": app, "limits": limits})

@@ -40,8 +40,8 @@ class for one app (its state is read per request). It relies on these parts of u
 ``HttpToolsProtocol``: the parser callbacks, ``on_response_complete``, ``shutdown``,
 ``connection_lost`` and the per-request attributes ``parser``, ``url``, ``headers``,
 ``scope``, ``cycle``, ``expect_100_continue``, ``transport``, ``loop``, ``tasks`` and
-``server_state``; :func:`uvicorn_fits` is the one check that the installed uvicorn has
-them (if not, ``kvevents serve`` runs uvicorn's own protocol and the app answers
+``server_state``; :func:`~kvevents.api.conn_guard.uvicorn_fits` is the one check that
+the installed uvicorn has them, with what the connection limits need (if not, ``kvevents serve`` runs uvicorn's own protocol and the app answers
 everything), and the tests run against the installed uvicorn.
 """
 
@@ -51,7 +51,7 @@ import logging
 import weakref
 from collections.abc import Callable
 
-from kvevents.api.conn_guard import ConnLimits, GuardedHttpProtocol, HttpToolsProtocol, guarded_class
+from kvevents.api.conn_guard import ConnLimits, GuardedHttpProtocol, guarded_class
 from kvevents.api.exchange import Exchange
 from kvevents.api.http_head import JSON, response_head
 from kvevents.api.routes_query import common_answer
@@ -60,27 +60,14 @@ from kvevents.gateway.server_ext import BODY, DIRECT, GONE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HotPathProtocol", "LOOKUP_PATH", "path_table", "protocol_class", "uvicorn_fits"]
+__all__ = ["HotPathProtocol", "LOOKUP_PATH", "path_table", "protocol_class"]
 
 LOOKUP_PATH = b"/v1/lookup"
-_USED = ("on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
-         "shutdown", "data_received", "connection_lost")
 
 #: A row of the table: the handler (called once the request's head is in, with the
 #: protocol and the row's kind; True: it took the request, False: the app answers it)
-#: and the kind (the lookup's metrics
-#: label, or the OpenAI request's kind).
+#: and the kind (the lookup's metrics label, or the OpenAI request's kind).
 Row = tuple[Callable[["HotPathProtocol", str], bool], str]
-
-
-def uvicorn_fits() -> bool:
-    """Whether the installed uvicorn's protocol has what :class:`HotPathProtocol`
-    relies on."""
-    if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED):
-        log.warning("uvicorn's httptools protocol is not the expected one: lookups and "
-                    "OpenAI requests go through the ASGI app")
-        return False
-    return True
 
 
 def protocol_class(app, limits: ConnLimits | None = None, *, lookup: bool = True,
@@ -94,8 +81,6 @@ def protocol_class(app, limits: ConnLimits | None = None, *, lookup: bool = True
     limits = limits or ConnLimits()
     if not lookup and not openai:
         return guarded_class(app, limits)
-    if not uvicorn_fits():
-        return None
     cls = guarded_class(app, limits, HotPathProtocol)
     if cls is not None:
         cls.routes = path_table(lookup=lookup, openai=openai)
