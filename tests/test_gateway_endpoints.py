@@ -41,12 +41,13 @@ openai = pytest.importorskip("openai")
 
 def test_everything_that_lists_the_endpoints_reads_the_table():
     from kvevents.api import HOT_PATHS, api_routes, create_app
-    from kvevents.api.openai_protocol import PATHS as FAST
+    from kvevents.api.server_protocol import path_table
     from kvevents.gateway.proxy import PATHS as FORWARDED
 
     assert PATHS == ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings",
                      "/tokenize", "/detokenize")
-    assert {p.decode(): k for p, k in FAST.items()} == {p: r.kind for p, r in BY_PATH.items()}
+    fast = path_table(lookup=False)
+    assert {p.decode(): kind for p, (_, kind) in fast.items()} == {p: r.kind for p, r in BY_PATH.items()}
     assert FORWARDED == {r.kind: r.path for r in ENDPOINTS.values()}
     assert set(PATHS) <= set(HOT_PATHS)
     app = create_app()

@@ -1,4 +1,4 @@
-"""Common lookups answered in uvicorn's HTTP protocol (kvevents/api/lookup_protocol.py).
+"""Common lookups answered in uvicorn's HTTP protocol (kvevents/api/server_protocol.py).
 
 A real uvicorn server configured as ``kvevents serve`` configures it, raw sockets as
 clients: the protocol's answers are the route's, it never answers what the app must
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvevents.api import create_app
-from kvevents.api.lookup_protocol import LookupHttpProtocol
+from kvevents.api.server_protocol import LOOKUP_PATH, HotPathProtocol, path_table
 from kvevents.service.settings import AggregatorSettings
 from kvevents.wire.schema import BlockStored, KVEventBatch
 
@@ -111,7 +111,7 @@ def routed(srv, body: bytes) -> bytes:
 
 def test_the_server_uses_the_protocol(server):
     cls = server.server.config.http_protocol_class
-    assert issubclass(cls, LookupHttpProtocol) and cls.lookup_app is not None
+    assert issubclass(cls, HotPathProtocol) and LOOKUP_PATH in cls.routes
 
 
 def test_common_lookups_are_answered_in_the_protocol_as_the_route_answers(server):
@@ -245,7 +245,55 @@ def test_the_setting_turns_it_off():
     neither = uvicorn_config(app, lookup_in_protocol=False, openai_in_protocol=False)
     for config in (on, off, neither):
         config.load()
-    assert on.http_protocol_class.lookup_app is app
-    assert off.http_protocol_class.lookup_app is None  # the OpenAI requests only
-    assert off.http_protocol_class.__name__ == "OpenAIHttpProtocol"
+    assert on.http_protocol_class.guard_app is app
+    assert on.http_protocol_class.routes.keys() == path_table().keys()
+    assert off.http_protocol_class.routes.keys() == path_table(lookup=False).keys()  # OpenAI only
+    assert LOOKUP_PATH not in off.http_protocol_class.routes
+    assert off.http_protocol_class.__name__ == "HotPathProtocol"
     assert neither.http_protocol_class.__name__ == "GuardedHttpProtocol"  # the limits only
+
+
+class _Parser:
+    """The parts of httptools' parser the table's gate reads: a plain POST."""
+
+    def get_method(self) -> bytes:
+        return b"POST"
+
+    def should_upgrade(self) -> bool:
+        return False
+
+
+def test_the_path_table_holds_every_hot_path_and_the_switches_remove_exactly_theirs(monkeypatch):
+    from kvevents.api.conn_guard import GuardedHttpProtocol
+    from kvevents.api.server_protocol import protocol_class
+    from kvevents.gateway.endpoints import ENDPOINTS
+
+    full = path_table()
+    openai_rows = {row.path.encode(): (HotPathProtocol.take_openai, row.kind) for row in ENDPOINTS.values()}
+    assert full == {LOOKUP_PATH: (HotPathProtocol.take_lookup, "lookup"), **openai_rows}
+    assert path_table(lookup=False) == openai_rows
+    assert path_table(openai=False) == {LOOKUP_PATH: full[LOOKUP_PATH]}
+    assert path_table(lookup=False, openai=False) == {}
+
+    app = create_app(AggregatorSettings(engines=()))
+    for lookup, openai in ((True, True), (False, True), (True, False)):
+        cls = protocol_class(app, lookup=lookup, openai=openai)
+        assert cls.guard_app is app and cls.routes == path_table(lookup=lookup, openai=openai)
+    neither = protocol_class(app, lookup=False, openai=False)
+    assert neither.__name__ == "GuardedHttpProtocol" and not hasattr(neither, "routes")
+
+    # Dispatch: the head of a table path calls its row with the row's kind, and only
+    # that; any other path (or a row that declines) goes to uvicorn's own cycle.
+    seen: list[tuple[bytes, str]] = []
+    to_app: list[bytes] = []
+    monkeypatch.setattr(GuardedHttpProtocol, "on_headers_complete", lambda self: to_app.append(self.url))
+    cls = protocol_class(app)
+    probe = type("Probe", (cls,), {"routes": {
+        path: (lambda proto, kind: seen.append((proto.url, kind)) or kind != "tokenize", kind)
+        for path, (_, kind) in cls.routes.items()}})
+    for path in [*full, b"/v1/route", b"/v1/lookup?x=1", b"/v1/chat/completions/"]:
+        proto = probe.__new__(probe)
+        proto.url, proto.parser, proto.expect_100_continue, proto.cycle = path, _Parser(), False, None
+        proto.on_headers_complete()
+    assert seen == [(path, kind) for path, (_, kind) in full.items()]
+    assert to_app == [b"/tokenize", b"/v1/route", b"/v1/lookup?x=1", b"/v1/chat/completions/"]

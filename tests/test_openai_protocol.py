@@ -1,5 +1,5 @@
 """The OpenAI requests handed to the gateway from ``kvevents serve``'s HTTP protocol
-(``kvevents.api.openai_protocol``), with real sockets against a real ``kvevents serve``
+(``kvevents.api.server_protocol``), with real sockets against a real ``kvevents serve``
 in front of fake engines (:mod:`hostile_engine`):
 
 * the answers are byte for byte those of the app's own route (``openai_in_protocol``

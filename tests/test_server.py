@@ -99,8 +99,8 @@ def test_lookup_is_exact_after_replay_with_both_encodings(fleet):
     assert engines["a"]["lost_batches"] == 0 and engines["a"]["status"] == "live"
     assert engines["a"]["blocks"] == {"GPU": 3, "CPU": 2}
     assert engines["b"]["blocks"] == {"GPU": 5}
-    # A common body is answered in front of the framework (kvevents/api/fastpath.py), any
-    # other by the route: the same request both ways gives the same bytes.
+    # A common body is answered in the server's protocol (kvevents/api/server_protocol.py),
+    # any other by the route: the same request both ways gives the same bytes.
     for tokens, model in ((P + [1, 2, 3], None), (Q, "m"), ([7] * 8, None)):
         common = {"token_ids": tokens, **({"model": model} if model else {})}
         fast = httpx.post(f"{srv.url}/v1/lookup", json=common)

@@ -21,7 +21,6 @@ from kvevents.api import (routes_engines, routes_openai, routes_ops, routes_quer
                           routes_snapshot)
 from kvevents.api.body import install_body_schemas
 from kvevents.api.errors import install_error_handlers
-from kvevents.api.fastpath import LookupFastPath
 from kvevents.api.limits import BodySizeLimit
 from kvevents.discovery import Discovery, build_sources
 from kvevents.gateway import Gateway, GatewayMetrics
@@ -101,9 +100,6 @@ def create_app(
     app.include_router(routes_snapshot.router)
     app.include_router(routes_openai.router)
     serve_lean(app, HOT_PATHS)
-    # Last, so outermost: common lookup bodies are answered before the framework.
-    app.add_middleware(LookupFastPath, max_body_bytes=settings.max_body_bytes,
-                       max_prompt_tokens=settings.max_prompt_tokens)
     return app
 
 

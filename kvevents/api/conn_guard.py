@@ -35,16 +35,17 @@ close as ``early_answer``). Cost on the common path: a request that arrives in o
 arms no timer at all; one that spans packets arms one timer.
 
 It also offers each request's connection to the gateway's streamed answers
-(``scope["extensions"]["kvevents.direct"]``, :mod:`kvevents.gateway.relay`): their body
+(:data:`kvevents.gateway.server_ext.DIRECT`, :mod:`kvevents.gateway.relay`): their body
 is written to the socket as the engine sends it, and :attr:`on_writable` is called when
-the socket drains after being full.
+the socket drains after being full (the engine then reads again:
+:mod:`kvevents.gateway.flow`).
 
 Lifecycle: one instance per connection, made by uvicorn; :func:`guarded_class` makes the
 class for one app and its limits. It relies on ``HttpToolsProtocol``'s ``connection_made``,
 ``data_received``, ``on_headers_complete``, ``on_message_complete``,
 ``on_response_complete``, ``connection_lost`` and its ``loop``, ``transport``,
 ``connections``, ``pipeline``, ``flow``, ``headers`` and ``server_state`` attributes and its
-cycle's ``transport`` (checked by :func:`guarded_class`).
+cycle's ``transport`` (:func:`uvicorn_fits`, which :func:`guarded_class` runs, checks them).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvevents.gateway.relay import DIRECT
+from kvevents.api.http_head import error_bytes, response_head
+from kvevents.gateway.server_ext import DIRECT
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,13 @@ try:  # uvicorn's compiled-parser protocol (httptools is a dependency)
 except ImportError:  # pragma: no cover - an install without httptools
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
-__all__ = ["ConnLimits", "GuardedHttpProtocol", "guarded_class"]
+__all__ = ["ConnLimits", "GuardedHttpProtocol", "guarded_class", "uvicorn_fits"]
 
-_USED = ("connection_made", "data_received", "on_headers_complete", "on_message_complete",
-         "on_response_complete", "connection_lost", "resume_writing")
+#: What this module and :mod:`~kvevents.api.server_protocol` override or call of
+#: uvicorn's protocol (checked by :func:`uvicorn_fits`).
+_USED = ("connection_made", "data_received", "on_headers_complete", "on_body",
+         "on_message_complete", "on_response_complete", "shutdown", "connection_lost",
+         "resume_writing")
 
 
 @dataclass(frozen=True)
@@ -87,14 +92,17 @@ class ConnLimits:
         return cls(settings.max_connections, settings.header_timeout_s, settings.body_timeout_s)
 
 
-def _answer(status: bytes, message: bytes) -> bytes:
-    body = b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":null}}' % message
-    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body))
+def _answer(status: int, message: str) -> bytes:
+    """An answer the guard writes before any request of the connection (so without the
+    server's default headers), in OpenAI's shape: the gateway's clients read it."""
+    head_and_body, _, _ = response_head(status, [], ((b"content-type", b"application/json"),
+                                                     (b"retry-after", b"1")),
+                                        False, error_bytes(status, message, openai=True))
+    return head_and_body
 
 
-_TIMEOUT = _answer(b"408 Request Timeout", b"the request head did not arrive in time")
-_BUSY = _answer(b"503 Service Unavailable", b"too many connections; retry shortly")
+_TIMEOUT = _answer(408, "the request head did not arrive in time")
+_BUSY = _answer(503, "too many connections; retry shortly")
 
 
 def _cycle_init_names() -> tuple[str, ...]:
@@ -107,14 +115,23 @@ def _cycle_init_names() -> tuple[str, ...]:
         return ()
 
 
-def guarded_class(app, limits: ConnLimits, base: type | None = None) -> type | None:
-    """The protocol class for ``app`` with ``limits`` (``base``: a subclass of
-    :class:`GuardedHttpProtocol` to specialise), or None when the installed uvicorn
-    lacks what it relies on (uvicorn's own protocol then runs, without these limits)."""
+def uvicorn_fits() -> bool:
+    """The one check that the installed uvicorn's protocol has what the protocols of
+    ``kvevents serve`` rely on (this module's and the hot paths'); logged when not."""
     if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _USED) \
             or "transport" not in _cycle_init_names():
         log.warning("uvicorn's httptools protocol is not the expected one: no header/body "
-                    "timeouts or connection cap")
+                    "timeouts or connection cap, and every request goes through the ASGI app")
+        return False
+    return True
+
+
+def guarded_class(app, limits: ConnLimits, base: type | None = None) -> type | None:
+    """The protocol class for ``app`` with ``limits`` (``base``: a subclass of
+    :class:`GuardedHttpProtocol` to specialise), or None when the installed uvicorn
+    lacks what it relies on (:func:`uvicorn_fits`; uvicorn's own protocol then runs,
+    without these limits, and the app answers everything)."""
+    if not uvicorn_fits():
         return None
     base = base or GuardedHttpProtocol
     return type(base.__name__, (base,), {"guard_app": app, "limits": limits})

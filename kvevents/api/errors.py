@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvevents.api.http_head import error_bytes
 from kvevents.text.prompt import InputError
 
 
@@ -24,8 +25,9 @@ ApiError = InputError
 
 
 def error_response(status: int, message: str, field: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message, "field": field}, status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None) -> Response:
+    return Response(error_bytes(status, message, field, openai=False), status_code=status,
+                    headers=headers, media_type="application/json")
 
 
 def _field_of(loc: tuple) -> str | None:
@@ -39,11 +41,11 @@ def _field_of(loc: tuple) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InputError)  # a handler's, the router's, the prompt's limits'
-    async def _input_error(_: Request, exc: InputError) -> JSONResponse:
+    async def _input_error(_: Request, exc: InputError) -> Response:
         return error_response(exc.status, exc.message, exc.field, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
         first = errors[0] if errors else {}
         field = _field_of(tuple(first.get("loc", ())))
@@ -57,5 +59,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(422, msg, field)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))

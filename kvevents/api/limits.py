@@ -11,11 +11,9 @@ still uploading, reads the 413 instead of a reset connection.
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvevents.gateway.errors import error_body
+from kvevents.api.http_head import error_bytes
 
 
 class BodySizeLimit:
@@ -54,11 +52,8 @@ class BodySizeLimit:
             await self._reject(scope, send)
 
     async def _reject(self, scope: Scope, send: Send) -> None:
-        message = f"request body larger than {self.max_bytes} bytes"
-        if scope.get("path") in self.openai_paths:
-            body = error_body(413, message)
-        else:
-            body = json.dumps({"error": message, "field": None}).encode()
+        body = error_bytes(413, f"request body larger than {self.max_bytes} bytes",
+                           openai=scope.get("path") in self.openai_paths)
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),

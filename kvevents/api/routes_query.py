@@ -1,4 +1,11 @@
-"""Queries of the index: ``/v1/lookup``, ``/v1/blocks/{hash}``, ``/v1/prefixes``."""
+"""Queries of the index: ``/v1/lookup``, ``/v1/blocks/{hash}``, ``/v1/prefixes``.
+
+``POST /v1/lookup`` is answered two ways, with the same bytes: under ``kvevents serve``
+its server protocol (:mod:`~kvevents.api.server_protocol`) answers the common body with
+:func:`common_answer` before the ASGI app, and the route answers everything else (any
+other body, every error, a lookup that finds the index lock busy) and every lookup under
+another server. The route is the reference for the semantics.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import re
 import msgspec
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from kvevents.api._fastbody import lookup_body
 from kvevents.api.body import LookupBody, body_doc, decode_lookup
 from kvevents.api.errors import ApiError
 from kvevents.api.media_prompt import body_prompt
@@ -15,6 +23,7 @@ from kvevents.api.models import (ERRORS, PROMPT_ERRORS, BlockResponse, LookupRes
 from kvevents.api.routes_engines import get_aggregator
 from kvevents.index import LookupResult
 from kvevents.routing.offloop import lookup as lookup_off_loop
+from kvevents.routing.offloop import lookup_now
 from kvevents.service.aggregator import Aggregator
 from kvevents.text import TokenizerRegistry
 from kvevents.wire.schema import BlockHash, hash_to_str
@@ -61,6 +70,20 @@ async def lookup(request: Request) -> Response:
     result = await lookup_off_loop(agg, token_ids, body.model, body.lora_name, "lookup",
                                    body.cache_salt, media)
     return json_response(lookup_payload(result, agg.unroutable_engines()))
+
+
+def common_answer(agg: Aggregator, raw: bytes) -> bytes | None:
+    """The route's answer to a common lookup body, looked up now on this thread: the
+    JSON bytes of a 200, or None for the route to answer. Common: ``{"token_ids": [...],
+    "model"?, "lora_name"?}`` as the compiled reader takes it
+    (:mod:`~kvevents.api._fastbody`), within the prompt limit; None also when the index
+    lock stays taken past the event loop's bound (the route waits for it off the loop).
+    The same lookup (timed into the same metrics), payload and encoding as the route."""
+    got = lookup_body(raw)
+    if got is None or len(got[0]) > agg.settings.max_prompt_tokens:
+        return None
+    result = lookup_now(agg, *got, "lookup")
+    return None if result is None else _json.encode(lookup_payload(result, agg.unroutable_engines()))
 
 
 # async, as every dependency of the handlers must be: FastAPI runs a plain ``def``

@@ -81,11 +81,10 @@ def tune_gc() -> None:
 
 def uvicorn_config(app, *, lookup_in_protocol: bool = True, openai_in_protocol: bool = True,
                    limits: ConnLimits | None = None, **options) -> uvicorn.Config:
-    """uvicorn's configuration for the aggregator's ``app``: common lookups answered in
-    its HTTP protocol, before the ASGI cycle (:mod:`kvevents.api.lookup_protocol`),
-    unless ``lookup_in_protocol`` is false; the gateway's OpenAI requests handed to it
-    from the protocol (:mod:`kvevents.api.openai_protocol`) unless
-    ``openai_in_protocol`` is false; connections under ``limits``
+    """uvicorn's configuration for the aggregator's ``app``, with its HTTP protocol
+    (:mod:`kvevents.api.server_protocol`): common lookups answered in it, before the ASGI
+    cycle, unless ``lookup_in_protocol`` is false; the gateway's OpenAI requests handed
+    to it from the protocol unless ``openai_in_protocol`` is false; connections under ``limits``
     (:mod:`kvevents.api.conn_guard`: head and body timeouts, a connection cap; default:
     those of the app's settings, else the defaults). ``options`` go to ``uvicorn.Config``."""
     if limits is None:

@@ -12,6 +12,11 @@ Files::
     relay.py    a streamed answer as one response owning the engine's stream and the
                 request's slot to its last byte; chunks written to the client's socket
                 as the engine sends them (kvevents serve), else through ASGI send
+    server_ext.py  what the gateway may ask of the HTTP server beyond ASGI (the
+                connection, a disconnect watch, the body already read), with plain
+                ASGI where the server offers none
+    flow.py     backpressure from the engine's socket to the client's: the watermarks,
+                and what pauses and resumes the engine
     endpoints.py  the OpenAI endpoints, one row per path (parser, prompt field, routing,
                 streaming, end marker, usage): what every list of paths reads
     prompt.py   what the gateway reads of a body (model, stream, prompt) and the

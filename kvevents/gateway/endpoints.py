@@ -2,8 +2,8 @@
 
 Everything that differs between endpoints is a field of its row (:class:`Endpoint`),
 and everything that lists the endpoints reads :data:`ENDPOINTS`: the paths the gateway
-forwards to (``Gateway._send``), the server protocol's fast path
-(:mod:`kvevents.api.openai_protocol`), the app's routes
+forwards to (``Gateway._send``), the server protocol's path table
+(:mod:`kvevents.api.server_protocol`), the app's routes
 (:mod:`kvevents.api.routes_openai`), its hot paths and the paths whose 413 is
 OpenAI-shaped (:mod:`kvevents.api`), and a streamed answer's end marker
 (:mod:`.relay`). ``GET /v1/models`` is not a row: it is answered by the gateway

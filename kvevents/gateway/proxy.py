@@ -74,8 +74,9 @@ from kvevents.gateway.metrics import GatewayMetrics
 from kvevents.gateway.parity import TokenParity
 from kvevents.gateway.pool import UpstreamPool, retry_reason
 from kvevents.gateway.prompt import MESSAGES, OpenAIRequest, PromptTokens, prompt_chars
-from kvevents.gateway.relay import Relay, body_now, client_gone, read_whole
+from kvevents.gateway.relay import Relay, read_whole
 from kvevents.gateway.responses import ResponseHomes, first_event_id, response_id
+from kvevents.gateway.server_ext import body_now, client_gone
 from kvevents.gateway.upstream import (UpstreamAborted, UpstreamConnectError, UpstreamError,
                                        UpstreamResponse, UpstreamTimeout)
 from kvevents.routing import RouteDecision, Router

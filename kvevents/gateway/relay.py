@@ -17,10 +17,10 @@ relay ends (the answer's end, the client gone, the engine broken off, cancelled)
 slot and load are released and it is counted. A relay that is dropped without ever being
 sent (its request task cancelled in between) is closed by its finaliser.
 
-The bytes, two ways:
+The bytes, two ways (backpressure on both: :mod:`.flow`):
 
-* **direct** (``kvevents serve``: its protocol puts the connection in the request's scope,
-  ``scope["extensions"][DIRECT]``): once the server has sent the head, the engine's
+* **direct** (``kvevents serve``: its protocol offers the connection in the request's
+  scope, :data:`~.server_ext.DIRECT`): once the server has sent the head, the engine's
   chunked body is written to the client's socket as the engine's connection reads it,
   by compiled code that is that connection's protocol meanwhile
   (:meth:`~kvevents.gateway.upstream.UpstreamResponse.pump_to`): the engine's chunks go
@@ -28,13 +28,12 @@ The bytes, two ways:
   or ``send`` message per chunk (the pump holds what arrives between the head and this
   relay, and writes it at once). A body that is not chunked goes from the read callback
   through a Python sink, each piece framed as a chunk. The server's ``send`` still
-  writes the head and the final chunk, so its view of the response stays whole. Backpressure: when the client's socket is full (the
-  server's flow control says so after a write), reading from the engine pauses, and
-  resumes when the server's protocol says the socket drained;
+  writes the head and the final chunk, so its view of the response stays whole. A full
+  client socket pauses the engine; its draining resumes it;
 * **through ``send``** (any other server, or a response the server does not frame as
   chunked): one chunk at a time; the server's ``send`` waits while the client's socket is
   full, and meanwhile the engine's stream buffers at most
-  :data:`~kvevents.gateway.upstream._HIGH_WATER` bytes before the engine is paused.
+  :data:`~kvevents.gateway.flow.HIGH_WATER` bytes before the engine is paused.
 
 Either way the answer's last :data:`USAGE_TAIL` bytes are kept for its usage chunk (a few
 operations per chunk), TTFT is taken at its first body byte, and the request is counted
@@ -54,49 +53,15 @@ from starlette.types import Receive, Scope, Send
 
 from kvevents.gateway.answers import DONE, is_complete
 from kvevents.gateway.errors import OpenAIError, error_body
+from kvevents.gateway.flow import after_write, follow, unfollow
+from kvevents.gateway.server_ext import client_gone, direct_protocol, while_present
 from kvevents.gateway.upstream import TAIL_BYTES, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 USAGE_TAIL = TAIL_BYTES  # bytes of a streamed answer kept to find its usage chunk
 
-#: The ASGI scope extension under which the server's protocol offers the connection:
-#: weak references to ``(protocol, cycle)``, uvicorn's ``HttpToolsProtocol`` and the
-#: request's ``RequestResponseCycle`` (see :func:`_direct_protocol`).
-DIRECT = "kvevents.direct"
-#: The ASGI scope extension under which a server offers ``watch()``: a new future, done
-#: when the client has gone (no task per watch; see :func:`client_gone`).
-GONE = "kvevents.gone"
-#: The ASGI scope extension under which a server offers ``take_body()``: the request's
-#: whole body if it has all arrived (taken: ``receive`` will not give it again), else None.
-BODY = "kvevents.body"
-
-__all__ = ["BODY", "DIRECT", "GONE", "Relay", "USAGE_TAIL", "body_now", "client_gone", "read_whole",
-           "while_present"]
-
-
-def client_gone(scope: Scope, receive: Receive) -> asyncio.Future:
-    """A future done when the client goes away (its body was already read): the
-    server's own watch when it offers one (``scope["extensions"][GONE]``), else a task
-    reading ``receive`` until ``http.disconnect``. Cancel it when done with it."""
-    watch = scope.get("extensions", {}).get(GONE)
-    if watch is not None:
-        return watch()
-    return asyncio.ensure_future(_disconnected(receive))
-
-
-async def while_present(waited: asyncio.Future, scope: Scope, receive: Receive, timeout_s: float) -> str:
-    """Wait for ``waited`` while the client stays: ``"done"``, or ``"gone"`` (the client
-    left) or ``"timeout"`` (``timeout_s`` passed), ``waited`` then cancelled."""
-    gone = client_gone(scope, receive)
-    try:
-        done, _ = await asyncio.wait((waited, gone), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if waited in done:
-        return "done"
-    waited.cancel()
-    return "gone" if gone in done else "timeout"
+__all__ = ["Relay", "USAGE_TAIL", "read_whole"]
 
 
 async def read_whole(request: Request, upstream: UpstreamResponse, engine: str,
@@ -160,7 +125,7 @@ class Relay(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            protocol = _direct_protocol(scope)
+            protocol = direct_protocol(scope)
             if protocol is not None:
                 tail = await self._direct(protocol)
             else:
@@ -231,11 +196,11 @@ class Relay(Response):
         head = cycle.take_head() if frames else None
         pump = up.pump_to(transport, flow, self._on_first, end, head, frames)
         if pump is not None:
-            protocol.on_writable = pump.resume
+            follow(protocol, pump.resume)
             try:
                 await ended
             finally:
-                protocol.on_writable = None
+                unfollow(protocol)
             self._cut = pump.mid_chunk
             if pump.wrote_end:
                 cycle.end_written()
@@ -251,49 +216,16 @@ class Relay(Response):
                 self._on_first()
             if not transport.is_closing():  # (closed before the server saw it: raises)
                 transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-                if flow.write_paused:  # the client's socket is full: stop reading the engine
-                    up.pause_reading()
+                after_write(flow, up)
             kept.append(data)
             size += len(data)
             while size - len(kept[0]) >= USAGE_TAIL:
                 size -= len(kept.popleft())
 
-        protocol.on_writable = up.resume_reading
+        follow(protocol, up.resume_reading)
         try:
             up.relay_to(sink, end)
             await ended
         finally:
-            protocol.on_writable = None
+            unfollow(protocol)
         return b"".join(kept)
-
-
-def _direct_protocol(scope: Scope):
-    """The connection the server offers for writing this response's body straight to the
-    socket, if it offers one, its request cycle is this one and it frames the response as
-    chunked (what ``_direct`` writes); else None (the body goes through ``send``)."""
-    got = scope.get("extensions", {}).get(DIRECT)
-    if got is None:
-        return None
-    protocol, cycle = got[0](), got[1]()
-    if protocol is None or cycle is None:
-        return None
-    if (getattr(cycle, "response_started", False) and getattr(cycle, "chunked_encoding", None) is True
-            and not cycle.response_complete and not cycle.disconnected
-            and getattr(protocol, "cycle", None) is cycle and hasattr(protocol, "on_writable")):
-        return protocol
-    return None
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns when the client goes away (its body was already read)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def body_now(scope: Scope) -> bytes | None:
-    """The request's body if the server holds it whole already (kvevents' own protocol:
-    no async generator and turn of the loop to read it), else None."""
-    take = scope.get("extensions", {}).get(BODY)
-    return None if take is None else take()

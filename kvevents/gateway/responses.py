@@ -36,7 +36,7 @@ import msgspec
 from kvevents.engines import EngineSpec
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.prompt import RESPONSES, OpenAIRequest, decode_chat
-from kvevents.gateway.relay import while_present
+from kvevents.gateway.server_ext import while_present
 from kvevents.gateway.upstream import UpstreamResponse
 from kvevents.text.chat_inputs import ChatOptions
 

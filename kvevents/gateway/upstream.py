@@ -27,8 +27,9 @@ reading the body after). Timeouts of the body are the caller's (``asyncio.wait``
 :meth:`UpstreamResponse.close` (sync) closes the engine's stream at once and wakes a
 reader waiting for more.
 
-Memory: at most :data:`_HIGH_WATER` bytes of an answer are buffered before reading from
-the engine pauses (a client that reads slowly pauses the engine, not the gateway's RSS).
+Memory: at most :data:`~kvevents.gateway.flow.HIGH_WATER` bytes of an answer are
+buffered before reading from the engine pauses (a client that reads slowly pauses the
+engine, not the gateway's RSS); the whole backpressure story is :mod:`kvevents.gateway.flow`.
 """
 
 from __future__ import annotations
@@ -41,17 +42,13 @@ from typing import Any
 import httptools
 
 from kvevents.gateway._pump import ChunkPump
+from kvevents.gateway.flow import HIGH_WATER, LOW_WATER
 from kvevents.gateway.upstream_errors import (UpstreamAborted, UpstreamClosed, UpstreamConnectError,
                                               UpstreamError, UpstreamProtocolError, UpstreamTimeout)
 
 __all__ = ["UpstreamAborted", "UpstreamClosed", "UpstreamConnectError", "UpstreamError",
            "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout"]
 
-# Bytes buffered from an engine before reading pauses. Small: an SSE chunk is ~100-300
-# bytes, so 64 KiB still holds hundreds of them, and a slow reader costs the process
-# this much, not 1 MiB (100 slow streams kept ~100 MB that the allocator did not give back).
-_HIGH_WATER = 1 << 16
-_LOW_WATER = 1 << 14
 #: The last bytes of a pumped body kept (the relay finds the usage chunk in them).
 TAIL_BYTES = 16384
 
@@ -83,7 +80,7 @@ class UpstreamResponse:
             return
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._buffered > _HIGH_WATER:
+        if self._buffered > HIGH_WATER:
             self._conn.pause()
         self._wake()
 
@@ -114,7 +111,7 @@ class UpstreamResponse:
             if self._chunks:
                 data = self._chunks.popleft()
                 self._buffered -= len(data)
-                if self._buffered < _LOW_WATER:
+                if self._buffered < LOW_WATER:
                     self._conn.resume()
                 yield data
                 continue
@@ -302,7 +299,7 @@ class _Connection(asyncio.Protocol):
             return False
         self.keep_alive = self.parser.should_keep_alive()
         resp._pump = self.pump = ChunkPump(None, None, None, resp._pumped, self.connection_lost,
-                                           TAIL_BYTES, _HIGH_WATER)
+                                           TAIL_BYTES, HIGH_WATER)
         self.pump.attach(self.transport)
         return True
 

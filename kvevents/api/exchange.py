@@ -1,136 +1,33 @@
-"""uvicorn's HTTP/1.1 protocol with the OpenAI requests (``POST`` to each path of
-:data:`kvevents.gateway.endpoints.ENDPOINTS`: chat completions, completions, responses,
-embeddings, tokenize, detokenize) handed to the gateway from the protocol itself, for
-``kvevents serve``.
+"""One OpenAI request answered in the server's protocol
+(:mod:`~kvevents.api.server_protocol`): the ASGI ``receive`` and ``send`` the gateway's
+handler and its responses use, over the connection's transport, and the handler's run.
 
-Why: a proxied request is the gateway's unit of work, and around the gateway's own
-handler the server spent a large part of its CPU per request on the framework: uvicorn's
-request cycle (its task, the ASGI message dicts), the app's middleware stack (eight
-layers, each wrapping ``receive`` and ``send`` again), route matching and Starlette's
-request/response wrapper. Here the request is read in the protocol's callbacks and
-:meth:`Gateway.handle <kvevents.gateway.Gateway.handle>` is called directly, in one task,
-with this connection as its ``receive``/``send`` (:class:`Exchange`): the same handler,
-answers, errors and accounting as through the app, and a streamed answer still goes
-straight from the engine's connection to this socket (:mod:`kvevents.gateway.relay`).
+Why: the gateway's handler is called from the protocol, in one task, with no uvicorn
+cycle, middleware stack or route matching around it; this is what stands in for them.
 
-What is handled here: those paths (exact, no query) by ``POST``, over HTTP/1.1, with
-a ``Content-Length`` within the body limit (``max_body_bytes``), without
-``Expect: 100-continue``, on a connection with no response of its own in progress, once
-the app is started. Anything else goes to the app exactly as before (a chunked body, an
-oversized one: its 413, ...). The handler starts when the head is complete, as uvicorn's
-cycle would: it takes its slot (``max_inflight``) before the body arrives, and a client
-that leaves mid-upload is its 499. The answer's head carries uvicorn's default headers
-(``server``, ``date``); a non-streamed answer goes out in one write.
-
-Lifecycle: one instance per connection, made by uvicorn (:func:`protocol_class
-<kvevents.api.server_protocol.protocol_class>` makes the class for one app). An
-:class:`Exchange` takes uvicorn's cycle's place on the protocol (``cycle``: a pipelined
-request waits behind it as behind a cycle; a lost connection marks it ``disconnected``;
-a shutdown clears its ``keep_alive``) until its answer's last byte, then hands the
-connection back (keep-alive, the next pipelined request). Failure: a handler that raises
-(a bug: it answers every error itself) is logged; the client gets a 500 in OpenAI's
-shape if nothing was sent yet, else its connection is closed.
+Lifecycle: made by the protocol when an OpenAI request's head is complete, it takes
+uvicorn's cycle's place on the protocol (``cycle``: a pipelined request waits behind it
+as behind a cycle; a lost connection marks it ``disconnected``; a shutdown clears its
+``keep_alive``) until its answer's last byte, then hands the connection back
+(keep-alive, the next pipelined request). Failure: a handler that raises (a bug: it
+answers every error itself) is logged; the client gets a 500 in OpenAI's shape if nothing
+was sent yet, else its connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
-import weakref
 
 from starlette.requests import Request
 
-from kvevents.api.lookup_protocol import LookupHttpProtocol
-from kvevents.gateway.errors import error_body
-from kvevents.gateway.endpoints import ENDPOINTS
-from kvevents.gateway.relay import BODY, DIRECT, GONE
+from kvevents.api.http_head import JSON, error_bytes, response_head
 
 log = logging.getLogger(__name__)
 
-PATHS = {row.path.encode(): row.kind for row in ENDPOINTS.values()}
-_STATUS: dict[int, bytes] = {}
+__all__ = ["Exchange"]
 
-
-def _status_line(status: int) -> bytes:
-    line = _STATUS.get(status)
-    if line is None:
-        try:
-            phrase = http.HTTPStatus(status).phrase.encode()
-        except ValueError:
-            phrase = b""
-        line = _STATUS[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-    return line
-
-
-class OpenAIHttpProtocol(LookupHttpProtocol):
-    """See the module docstring; made per app by ``protocol_class``."""
-
-    openai_app = None
-    #: The OpenAI request answered here (from its head to its answer's last byte).
-    _ex: Exchange | None = None
-
-    def on_headers_complete(self) -> None:
-        kind = PATHS.get(self.url)
-        if kind is None or not self._take(kind):
-            super().on_headers_complete()
-
-    def _take(self, kind: str) -> bool:
-        """Start the gateway's handler for this request here; False: the app answers."""
-        parser = self.parser
-        if (parser.get_method() != b"POST" or self.expect_100_continue or parser.should_upgrade()
-                or parser.get_http_version() != "1.1"
-                or not (self.cycle is None or self.cycle.response_complete)):
-            return False
-        state = self.openai_app.state
-        gateway = getattr(state, "gateway", None)
-        settings = getattr(state, "settings", None)
-        if gateway is None or settings is None:  # not started: the app answers
-            return False
-        length = None
-        for name, value in self.headers:
-            if name == b"content-length":
-                if length is not None or not value.isdigit():
-                    return False  # repeated or odd: the app's parser decides
-                length = int(value)
-        if length is None or length > settings.max_body_bytes:
-            return False
-        self._held = None  # (the lookup path's: not this request)
-        self._head_done()
-        scope = self.scope
-        scope["method"] = "POST"
-        scope["path"] = self.url.decode("ascii")
-        scope["raw_path"] = self.url
-        scope["query_string"] = b""
-        ex = self._ex = Exchange(self, parser.should_keep_alive())
-        scope["extensions"] = {DIRECT: (weakref.ref(self), weakref.ref(ex)), GONE: ex.watch,
-                               BODY: ex.take_body}
-        self.cycle = ex
-        task = self.loop.create_task(ex.run(gateway, scope, kind))
-        task.add_done_callback(self.tasks.discard)
-        self.tasks.add(task)
-        return True
-
-    def on_body(self, body: bytes) -> None:
-        ex = self._ex
-        if ex is not None and ex.reading:
-            ex.body.append(body)
-            return
-        super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        ex = self._ex
-        if ex is not None and ex.reading:
-            self._message_done()
-            ex.body_complete()
-            return
-        super().on_message_complete()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        ex = self._ex
-        if ex is not None:  # (a pipelined request may have taken ``cycle`` since)
-            ex.lost()
-        super().connection_lost(exc)
+_FAILED = error_bytes(500, "the gateway failed on this request; see its log", openai=True)
 
 
 class Exchange:
@@ -151,7 +48,7 @@ class Exchange:
 
     relay_frames = True
 
-    def __init__(self, protocol: OpenAIHttpProtocol, keep_alive: bool) -> None:
+    def __init__(self, protocol, keep_alive: bool) -> None:
         self.protocol = protocol
         self.keep_alive = keep_alive
         self.response_started = False
@@ -244,24 +141,10 @@ class Exchange:
         if kind == "http.response.start":
             assert not self.response_started, "the response has started already"
             self.response_started = True
-            out = [_status_line(message["status"])]
-            for name, value in self.protocol.server_state.default_headers:
-                out += (name, b": ", value, b"\r\n")
-            chunked = True
-            for name, value in message.get("headers", ()):
-                lname = name.lower()
-                if lname == b"content-length":
-                    chunked = False
-                elif lname == b"connection" and value.lower() == b"close":
-                    self.keep_alive = False
-                out += (name, b": ", value, b"\r\n")
-            if chunked:
-                out.append(b"transfer-encoding: chunked\r\n")
-            if not self.keep_alive:
-                out.append(b"connection: close\r\n")
-            out.append(b"\r\n")
-            self.chunked_encoding = chunked
-            self._head = b"".join(out)  # written with the body's first bytes
+            # Kept back: written with the body's first bytes.
+            self._head, self.chunked_encoding, self.keep_alive = response_head(
+                message["status"], self.protocol.server_state.default_headers,
+                message.get("headers", ()), self.keep_alive)
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
@@ -315,9 +198,8 @@ class Exchange:
         transport = self.protocol.transport
         if (not self.response_started or self._head is not None) and not self.disconnected \
                 and not transport.is_closing():  # (a head kept back was never written)
-            body = error_body(500, "the gateway failed on this request; see its log")
-            transport.write(b"%scontent-type: application/json\r\ncontent-length: %d\r\n"
-                            b"connection: close\r\n\r\n%s" % (_status_line(500), len(body), body))
+            transport.write(response_head(500, self.protocol.server_state.default_headers, JSON, False,
+                                          _FAILED)[0])
         self._head = None
         self.keep_alive = False
         self.response_started = True
