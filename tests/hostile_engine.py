@@ -23,7 +23,8 @@ the peak starts again from the streams open now). Each completion request's
 As vLLM 0.32 answers them: ``POST /v1/responses`` (streamed: ``response.created``, text
 deltas, ``response.completed`` with the usage; each response stored by the engine that
 answered it, whose id names that engine's port; a ``previous_response_id`` it does not
-hold is vLLM's 404; ``fake_cached``: the cached tokens its usage reports),
+hold is vLLM's 404; ``fake_cached``: the cached tokens its usage reports; ``GET
+/v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` answer a stored one, else 404),
 ``POST /v1/embeddings`` (a two-number vector per input), ``POST /detokenize`` and, with
 ``stats.tokenize_prompts`` set (and no tokenizer), ``POST /tokenize`` (a prompt's
 characters as ids). Each of these paths' requests is counted per engine port in
@@ -59,7 +60,7 @@ class Stats:
         self.tokenize = None
         # GET /v1/models' answer (vLLM's carries max_model_len: EngineThread(max_model_len=...))
         self.models = b'{"object":"list","data":[{"id":"fake"}]}'
-        self.stored: dict[int, set[str]] = {}  # port -> the response ids it stored
+        self.stored: dict[int, dict[str, dict]] = {}  # port -> the responses it stored, by id
         self.paths: dict[tuple[int, str], int] = {}  # (port, path) -> requests
         self.tokenize_prompts = False  # POST /tokenize of a prompt, without a tokenizer
         # POST /v1/chat/completions/render: body dict -> answer dict (None: 404, as a
@@ -148,6 +149,16 @@ class _Conn(asyncio.Protocol):
                 return
             self.stats.tokenized += 1
             self._reply(200, b"application/json", json.dumps({"count": len(ids), "tokens": ids}).encode())
+        elif self.url.startswith(b"/v1/responses/"):  # retrieve (GET) or cancel (POST .../cancel)
+            rid, _, action = self.url[len(b"/v1/responses/"):].partition(b"?")[0].decode().partition("/")
+            key = (self.port, "/v1/responses/{id}" + ("/" + action if action else ""))
+            self.stats.paths[key] = self.stats.paths.get(key, 0) + 1
+            response = self.stats.stored.get(self.port, {}).get(rid)
+            if response is None or (method, action) not in ((b"GET", ""), (b"POST", "cancel")):
+                self._reply(404, b"application/json", _error(404, f"Response with id '{rid}' not found.",
+                                                             "response_id"))
+            else:
+                self._reply(200, b"application/json", json.dumps(response).encode())
         elif method == b"POST" and self.url == b"/v1/chat/completions/render" and self.stats.render:
             doc = json.loads(b"".join(self.body))
             self.stats.rendered.append(doc)
@@ -176,14 +187,13 @@ class _Conn(asyncio.Protocol):
             self._reply(404, b"application/json", b'{"error":"not found"}')
 
     def _responses(self, doc: dict) -> None:
-        store = self.stats.stored.setdefault(self.port, set())
+        store = self.stats.stored.setdefault(self.port, {})
         prev = doc.get("previous_response_id")
         if prev is not None and prev not in store:  # vLLM's own answer
             self._reply(404, b"application/json", _error(404, f"Response with id '{prev}' not found.",
                                                          "response_id"))
             return
         rid = f"resp_{self.port}_{len(store)}"
-        store.add(rid)
         n = int(doc.get("max_output_tokens") or 4)
         usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": int(doc.get("fake_cached", 0))},
                  "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 10 + n}
@@ -193,6 +203,7 @@ class _Conn(asyncio.Protocol):
                                 "content": [{"type": "output_text", "text": text, "annotations": []}]}],
                     "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "status": "completed",
                     "previous_response_id": prev, "usage": usage}
+        store[rid] = response
         if not doc.get("stream"):
             self._reply(200, b"application/json", json.dumps(response).encode())
             return

@@ -272,6 +272,26 @@ def test_follow_up_of_a_response_whose_engine_left_is_vllms_404(served):
         extra.close()
 
 
+def test_stored_responses_are_retrieved_and_cancelled_on_the_engine_that_stored_them(served):
+    g, eng = served
+    client = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0)
+    for _ in range(4):
+        raw = client.responses.with_raw_response.create(model="fake", input="Hi", max_output_tokens=2)
+        rid, home = raw.parse().id, raw.headers["x-kvevents-engine"]
+        got = client.responses.with_raw_response.retrieve(rid)
+        assert got.headers["x-kvevents-engine"] == home and got.parse().output_text == "abab"
+        cancel = httpx.post(f"{g.url}/v1/responses/{rid}/cancel", timeout=5)
+        assert cancel.status_code == 200 and cancel.headers["x-kvevents-engine"] == home, cancel.text
+    # One this gateway never saw (stored through an engine directly): found by asking.
+    direct = httpx.post(eng.urls[1] + "/v1/responses", json={"model": "fake", "input": "x"}, timeout=5).json()
+    got = client.responses.with_raw_response.retrieve(direct["id"])
+    assert got.parse().id == direct["id"] and _port(g, got.headers["x-kvevents-engine"]) == eng.ports[1]
+    # None has it: vLLM's own 404, in OpenAI's shape.
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.retrieve("resp_nowhere")
+    assert err.value.response.json()["error"]["message"] == "Response with id 'resp_nowhere' not found."
+
+
 def _settled(read, pause: float = 0.3) -> float:
     """A counter once the counts of answers already written have landed."""
     last, now = None, read()

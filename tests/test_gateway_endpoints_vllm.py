@@ -159,6 +159,13 @@ def test_previous_response_id_is_answered_where_it_is_stored(stack):
         again = client.responses.with_raw_response.create(model=MODEL, input="!", previous_response_id=last.id,
                                                           **GREEDY)
         assert again.headers["x-kvevents-engine"] == home
+        # Retrieved through the gateway from the engine that stored it, as vLLM stored it.
+        got = client.responses.with_raw_response.retrieve(last.id)
+        assert got.headers["x-kvevents-engine"] == home and got.parse().id == last.id
+        if home == "e0":
+            theirs = httpx.get(f"{stack['engine'].url}/v1/responses/{last.id}", timeout=30).json()
+            assert got.parse().output_text == "".join(
+                c["text"] for o in theirs["output"] if o["type"] == "message" for c in o["content"])
     assert "e0" in homes  # (the real engine answered some from its own store)
 
 

@@ -424,9 +424,21 @@ def test_bad_body_is_openai_4xx(stack, path, body, status, param):
         assert err["code"] == "model_not_found" and MODEL in err["message"]
 
 
+def test_a_prompt_longer_than_the_context_is_refused_as_the_engine_refuses_it(stack):
+    """More prompt tokens than the engine's ``max_model_len`` (4096, read from its
+    ``/v1/models``): the engine refuses it with a 400, and so does the gateway, without
+    sending it, naming the field and the limit."""
+    body = {"model": MODEL, "prompt": list(range(10, 610)) * 7, "max_tokens": 4}  # 4,200 ids
+    theirs = _post(stack["fleet"][0].url + "/v1/completions", body)
+    ours = _post(stack["gw"] + "/v1/completions", body)
+    assert ours.status_code == theirs.status_code == 400, (ours.text, theirs.text)
+    err = _error_shape(ours)
+    assert err["param"] == "prompt" and "4200 tokens; the limit is 4096 (max_model_len)" in err["message"], err
+    assert "x-kvevents-engine" not in ours.headers  # (never sent to an engine)
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}),
-    ("/v1/completions", {"model": MODEL, "prompt": list(range(10, 610)) * 7, "max_tokens": 4}),  # > 4096
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}],
                               "max_tokens": 4}),  # the chat template refuses the role
 ])

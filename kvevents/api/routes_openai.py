@@ -4,7 +4,8 @@ One ``POST`` route per row of :data:`kvevents.gateway.endpoints.ENDPOINTS` (chat
 completions, completions and responses, streamed or not, routed by the prompt's cached
 prefix; embeddings, ``/tokenize`` and ``/detokenize`` by load), each forwarded to the
 engine the gateway picks, its bytes unchanged; ``GET /v1/models`` lists what the engines
-serve. Errors are in OpenAI's shape (``{"error": {...}}``).
+serve; ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` go to the engine
+that stored the response. Errors are in OpenAI's shape (``{"error": {...}}``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ for _row in ENDPOINTS.values():
     router.add_api_route(_row.path, _handler(_row.kind), methods=["POST"], responses=_OPENAI_ERRORS,
                          summary=_row.summary, name=f"openai_{_row.kind}",
                          openapi_extra=_body_schema(_row.prompt_field))
+
+
+@router.get("/v1/responses/{response_id}", responses=_OPENAI_ERRORS,
+            summary="A stored response, from the engine that stored it (query: stream, starting_after)")
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    return await gateway.stored_response(request, response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses=_OPENAI_ERRORS,
+             summary="Cancel a background response, on the engine that runs it")
+async def cancel_response(request: Request, response_id: str) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    return await gateway.stored_response(request, response_id, "cancel")
 
 
 @router.get("/v1/models", responses=_OPENAI_ERRORS, summary="The models the engines serve")

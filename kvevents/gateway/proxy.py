@@ -52,6 +52,7 @@ import logging
 import time
 from collections.abc import Sequence
 from functools import partial
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -75,7 +76,7 @@ from kvevents.gateway.parity import TokenParity
 from kvevents.gateway.pool import UpstreamPool, retry_reason
 from kvevents.gateway.prompt import MESSAGES, OpenAIRequest, PromptTokens, prompt_chars
 from kvevents.gateway.relay import Relay, read_whole
-from kvevents.gateway.responses import ResponseHomes, first_event_id, response_id
+from kvevents.gateway.responses import ResponseHomes, ask_stored, first_event_id, response_id
 from kvevents.gateway.server_ext import body_now, client_gone
 from kvevents.gateway.upstream import (UpstreamAborted, UpstreamConnectError, UpstreamError,
                                        UpstreamResponse, UpstreamTimeout)
@@ -433,6 +434,25 @@ class Gateway:
             call.end(status, stream_cached_tokens(tail) if status < 400 else None)
 
         return Relay(upstream, answer_headers(upstream, engine), engine, first, end, call.row.ends)
+
+    # -- stored responses -------------------------------------------------------------------
+
+    async def stored_response(self, request: Request, rid: str, action: str = "") -> Response:
+        """``GET /v1/responses/{rid}`` (``action`` empty) or ``POST
+        /v1/responses/{rid}/cancel`` (``action`` "cancel"): to the engine that stored it
+        (:func:`~.responses.ask_stored`); errors in OpenAI's shape, never raised."""
+        try:
+            self.check_key(request)
+            assert self.client is not None
+            targets = self.targets(None)
+            reachable = [s for s in targets if self.loads.of(s.name).reachable]
+            drop = _DROP_KEYED if self.api_key else _DROP
+            headers = [(k, v) for k, v in request.scope["headers"] if k not in drop]
+            path = f"/v1/responses/{quote(rid, safe='')}" + (f"/{action}" if action else "")
+            return await ask_stored(self.client, self.homes, rid, request.method, path,
+                                    request.scope.get("query_string", b""), headers, targets, reachable)
+        except OpenAIError as exc:
+            return exc.response()
 
     # -- models -----------------------------------------------------------------------------
 

@@ -23,6 +23,13 @@ stream's ``response.created`` event's ``response.id``), least recently used forg
 first, and sends a follow-up there; that engine gone from the fleet, the answer is the
 404 vLLM gives for a response it does not have, saying why. An id the gateway never saw
 (answered before a restart, or through another gateway) is routed as any request.
+
+**Retrieve and cancel.** ``GET /v1/responses/{id}`` and ``POST
+/v1/responses/{id}/cancel`` (:func:`ask_stored`) go to the engine that stored the
+response; an id the gateway never saw is asked of each reachable engine in turn until
+one has it (vLLM's 404 when none has). The answer is read whole, a retrieved stream
+(``?stream=true``) included: a stored response is done, or its events are replayed from
+``starting_after``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import asyncio
 import collections
 from typing import Any
 
+import httpx
 import msgspec
+from starlette.responses import Response
 
 from kvevents.engines import EngineSpec
 from kvevents.gateway.errors import OpenAIError
@@ -40,7 +49,7 @@ from kvevents.gateway.server_ext import while_present
 from kvevents.gateway.upstream import UpstreamResponse
 from kvevents.text.chat_inputs import ChatOptions
 
-__all__ = ["ResponseHomes", "parse_responses", "response_id", "stream_response_id"]
+__all__ = ["ResponseHomes", "ask_stored", "parse_responses", "response_id", "stream_response_id"]
 
 HOMES = 100_000  # response ids remembered (least recently used forgotten first)
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -239,9 +248,50 @@ class ResponseHomes:
         if not any(s.name == engine for s in targets):
             raise OpenAIError(404, f"Response with id '{prev}' not found: engine {engine}, which "
                                    "stored it, no longer serves this model", "previous_response_id")
+        return self.where(prev, engine, targets, reachable, "previous_response_id")
+
+    @staticmethod
+    def where(response: str, engine: str, targets: list[EngineSpec], reachable: list[EngineSpec],
+              field: str) -> list[EngineSpec]:
+        """``[engine]``, which stored ``response``, if reachable: 404 as vLLM's when it is
+        not among ``targets`` any more, 503 while it is unreachable."""
+        if not any(s.name == engine for s in targets):
+            raise OpenAIError(404, f"Response with id '{response}' not found: engine {engine}, which "
+                                   "stored it, no longer serves this model", field)
         there = [s for s in reachable if s.name == engine]
         if not there:
-            raise OpenAIError(503, f"engine {engine}, which stored response '{prev}', is not "
-                                   "reachable now; retry shortly", "previous_response_id",
-                              headers={"Retry-After": "2"})
+            raise OpenAIError(503, f"engine {engine}, which stored response '{response}', is not "
+                                   "reachable now; retry shortly", field, headers={"Retry-After": "2"})
         return there
+
+
+async def ask_stored(client: httpx.AsyncClient, homes: ResponseHomes, rid: str, method: str, path: str,
+                     query: bytes, headers: list[tuple[bytes, bytes]], targets: list[EngineSpec],
+                     reachable: list[EngineSpec]) -> Response:
+    """A stored response's retrieve or cancel (``method`` ``path``, ``query`` string and
+    ``headers`` as the client sent them) answered by the engine that stored ``rid``, else
+    by the first of ``reachable`` that has it (see the module docstring); the engine's
+    answer unchanged, or the error (:class:`OpenAIError`) when none could answer."""
+    home = homes.home(rid)
+    order = reachable if home is None else homes.where(rid, home, targets, reachable, "response_id")
+    if not order:
+        raise OpenAIError(503, "no engine is reachable now; retry shortly", headers={"Retry-After": "2"})
+    url_tail = path + ("?" + query.decode("latin-1") if query else "")
+    answer, engine = None, ""
+    for spec in order:
+        try:
+            answer = await client.request(method, spec.http + url_tail, headers=headers)
+        except httpx.HTTPError as exc:
+            if home is not None:
+                raise OpenAIError(502, f"engine {spec.name} failed before answering: {exc}",
+                                  headers={"Retry-After": "1"}) from None
+            continue  # (another engine may have it)
+        engine = spec.name
+        if answer.status_code != 404:
+            break
+    if answer is None:
+        raise OpenAIError(502, "every engine asked failed before answering", headers={"Retry-After": "1"})
+    if answer.status_code < 400:
+        homes.remember(rid, engine)
+    kept = {k: v for k, v in answer.headers.items() if k in ("content-type", "x-request-id")}
+    return Response(answer.content, answer.status_code, headers={**kept, "x-kvevents-engine": engine})
