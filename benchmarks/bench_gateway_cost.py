@@ -56,7 +56,9 @@ beside the server's, and the ratios of our CPU per request to each vllm-router p
     .venv/bin/python benchmarks/bench_gateway_cost.py [--workers 1,2] \
         [--vllm-router round_robin,cache_aware] [--rounds 3] [--requests 2000]
 
-``--vllm-router none`` compares our gateway with itself only (no vllm-router needed).
+``--vllm-router none`` compares our gateway with itself only (no vllm-router needed);
+``--other-root CHECKOUT`` adds another checkout's ``kvevents serve`` (one worker) as a side
+of the same run (before and after a change, on the same engines and rounds).
 """
 
 from __future__ import annotations
@@ -145,14 +147,14 @@ def load(port: int, body_file: Path, requests: int, concurrency: int, chunks: in
     return json.loads(out.stdout)
 
 
-def start_server(workers: int, engines: list[dict], tok_dir: Path, log: Path) -> tuple:
+def start_server(workers: int, engines: list[dict], tok_dir: Path, log: Path, root: Path = ROOT) -> tuple:
     port = free_port()
     args = [sys.executable, "-m", "kvevents.cli", "serve", "--port", str(port), "--workers",
             str(workers), "--tokenizer", f"m={tok_dir}", "--log-level", "warning"]
     for i, e in enumerate(engines):
         args += ["--endpoint", f"e{i}=tcp://127.0.0.1:{e['zmq']},replay=tcp://127.0.0.1:{e['replay']},"
                                f"model=m,http=http://127.0.0.1:{e['port']}"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(args, cwd=root, stdout=open(log, "a"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -235,11 +237,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 def run_side(side: str, engines: list[dict], files: dict, tok_dir: Path, log: Path,
              args: argparse.Namespace) -> dict:
-    """One fresh router (``ours:W``, ``ours+kv:W`` or ``vllm-router:POLICY``) through every
-    phase, against ``engines``."""
+    """One fresh router (``ours:W``, ``ours+kv:W``, ``other:W``: ``--other-root``'s
+    ``kvevents serve``, or ``vllm-router:POLICY``) through every phase, against ``engines``."""
     kind, arg = side.split(":")
     metrics_port = None
-    if kind.startswith("ours"):
+    if kind == "other":
+        proc, port = start_server(int(arg), engines, tok_dir, log, Path(args.other_root))
+    elif kind.startswith("ours"):
         proc, port = start_server(int(arg), engines, tok_dir, log)
     else:
         proc, port, metrics_port = start_vllm_router(arg, engines, log)
@@ -334,6 +338,9 @@ def main() -> None:
                     help="ours also against engines that publish each prompt's blocks (the "
                          "index fills, ingest runs), beside the same engines not publishing")
     ap.add_argument("--prompts", type=int, default=4000)
+    ap.add_argument("--other-root", default="", metavar="CHECKOUT",
+                    help="also run another checkout's kvevents serve (one worker) as a side of "
+                         "the same run: a before/after comparison on the same engines and rounds")
     ap.add_argument("--out", default="benchmarks/results/gateway_cost.json")
     args = ap.parse_args()
     sides = [f"ours:{int(w)}" for w in args.workers.split(",")]
@@ -345,6 +352,8 @@ def main() -> None:
         raise SystemExit(f"--vllm-router: unknown policies {sorted(unknown)}")
     if policies:
         vllm_router_exe()
+    if args.other_root:
+        sides.append("other:1")
     sides += [f"vllm-router:{p}" for p in policies]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -393,6 +402,8 @@ def label(side: str) -> str:
     kind, arg = side.split(":")
     if kind == "ours+kv":
         return f"ours, {arg} worker(s), KV events"
+    if kind == "other":
+        return f"ours at --other-root, {arg} worker(s)"
     return f"ours, {arg} worker(s)" if kind == "ours" else f"vllm-router {arg}"
 
 
@@ -436,7 +447,7 @@ def report(args: argparse.Namespace, sides: list[str], results: dict, tokens: in
                 / median([x[phase]["server_cpu_ms_per_request"] for x in results[quiet]]))
         print(f"CPU per request, {label(kv)} / without: {ratios[f'{kv}/{quiet}/cost']:.2f} (paced), "
               f"{ratios[f'{kv}/{quiet}/rate']:.2f} (rate)")
-    for ours in (s for s in sides if s.startswith("ours:")):
+    for ours in (s for s in sides if s.startswith(("ours:", "other:"))):
         for peer in (s for s in sides if s.startswith("vllm-router:")):
             for phase in ("cost", "rate"):
                 key = f"{ours}/{peer}/{phase}"

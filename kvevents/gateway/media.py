@@ -54,8 +54,9 @@ import msgspec
 from kvevents.gateway.errors import OpenAIError
 from kvevents.index import MediaItem, media_items
 
-__all__ = ["MEDIA_PARTS", "PROMPT_EMBEDS", "REASONS", "RENDER_PATH", "SENTINEL", "Renderer", "without_media",
-           "before_media", "check_embeds", "first_media", "parse_render", "render_body", "text_before"]
+__all__ = ["MEDIA_PARTS", "PROMPT_EMBEDS", "REASONS", "RENDER_PATH", "SENTINEL", "Renderer",
+           "before_media", "check_embeds", "first_media", "parse_render", "render_body", "text_before",
+           "without_media"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,10 @@ def without_media(messages: Any) -> Any:
     model's placeholder tokens, whatever its size)."""
     if not isinstance(messages, list):
         return messages
-    return [{**m, "content": [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in MEDIA_PARTS)]}
+
+    def text_parts(parts: list) -> list:
+        return [p for p in parts if not (isinstance(p, dict) and p.get("type") in MEDIA_PARTS)]
+    return [{**m, "content": text_parts(m["content"])}
             if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in messages]
 
 
