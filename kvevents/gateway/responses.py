@@ -272,6 +272,9 @@ async def ask_stored(client: httpx.AsyncClient, homes: ResponseHomes, rid: str, 
     ``headers`` as the client sent them) answered by the engine that stored ``rid``, else
     by the first of ``reachable`` that has it (see the module docstring); the engine's
     answer unchanged, or the error (:class:`OpenAIError`) when none could answer."""
+    if not targets:  # (no engine with an OpenAI server: none can have stored it)
+        raise OpenAIError(404, f"Response with id '{rid}' not found: no engine serves the Responses "
+                               "API here", "response_id")
     home = homes.home(rid)
     order = reachable if home is None else homes.where(rid, home, targets, reachable, "response_id")
     if not order:
