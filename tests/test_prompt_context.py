@@ -183,11 +183,13 @@ def test_the_lookup_api_refuses_text_over_max_prompt_tokens_before_tokenizing(en
 
 def test_an_images_data_is_not_counted_as_prompt_characters(engines, tokenizer):
     """A chat with a large image (a 300,000-character data URL) under a 4,096-token
-    context, whose text bound is far less: its text is short, so the gateway routes it
-    and the lookup API answers it; the same characters as text are refused."""
+    context and ``max_prompt_chars`` 100,000, both far less: its text is short, so the
+    gateway routes it and the lookup API answers it; the same characters as text are
+    refused by both."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 300_000}}
     messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
-    with GatewayProcess(engines.urls, "--tokenizer", f"fake={tokenizer}") as g:
+    with GatewayProcess(engines.urls, "--tokenizer", f"fake={tokenizer}",
+                        env={"KVEVENTS_MAX_PROMPT_CHARS": "100000"}) as g:  # (the lookup's bound)
         url = g.url + "/v1/chat/completions"
         assert wait_for(lambda: httpx.post(url, content=_chat(2_000_000), timeout=10).status_code == 400, 10)
         r = httpx.post(url, json={"model": "fake", "max_tokens": 4, "messages": messages}, timeout=30)
@@ -197,3 +199,8 @@ def test_an_images_data_is_not_counted_as_prompt_characters(engines, tokenizer):
         as_text = [{"role": "user", "content": [{"type": "text", "text": "A" * 300_000}]}]
         r = httpx.post(url, json={"model": "fake", "max_tokens": 4, "messages": as_text}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+        # A media chat whose text is too long for the lookup's limits: refused before it is
+        # rendered or tokenized, naming the field.
+        with_text = [{"role": "user", "content": [as_text[0]["content"][0], image]}]
+        r = httpx.post(g.url + "/v1/lookup", json={"model": "fake", "messages": with_text}, timeout=30)
+        assert r.status_code == 400 and r.json()["field"] == "messages", r.text[:300]

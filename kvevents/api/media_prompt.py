@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from functools import partial
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,8 +24,7 @@ import msgspec
 
 from kvevents.api.body import LookupBody
 from kvevents.gateway import Gateway, OpenAIError
-from kvevents.gateway.media import without_media
-from kvevents.gateway.prompt import CHAT, parse_request
+from kvevents.gateway.prompt import CHAT, OpenAIRequest, parse_request, prompt_chars
 from kvevents.index import MediaItem, media_items
 from kvevents.routing.offloop import prompt_token_ids
 from kvevents.text.limits import PromptLimits
@@ -53,22 +53,24 @@ async def body_prompt(state: Any, body: LookupBody, limit: int, max_chars: int
     if body.token_ids is not None or body.prompt is not None or body.features is not None:
         raise InputError(422, "give exactly one of token_ids, prompt or messages", "messages")
     gateway: Gateway = state.gateway
+    req, served = _chat_request(body)
     limits = PromptLimits(max_chars, limit)
-    tok = state.tokenizers.get(body.model)  # (the media parts' data is not counted)
-    limits.check_text(without_media(msgspec.to_builtins(body.messages)), "messages",
-                      tok.max_token_chars() if tok else None)
-    ids, partial, media = await _media_ids(gateway, body)
+    tok = state.tokenizers.get(body.model)  # (counted as the gateway counts it: not the media)
+    limits.check_text(None, "messages", tok.max_token_chars() if tok else None, count=partial(prompt_chars, req))
+    ids, unscored, media = await _media_ids(gateway, req, served)
     if ids is None:
         raise InputError(422, "messages with media parts need an engine serving the model that "
                               "renders chats (vllm serve --enable-scale-out) or a tokenizer for "
                               "model", "messages")
-    if partial is not None:
-        gateway.metrics.unscored(partial)
+    if unscored is not None:
+        gateway.metrics.unscored(unscored)
     limits.check_ids(ids, "messages")
     return ids, media
 
 
-async def _media_ids(gateway: Gateway, body: LookupBody) -> tuple[Sequence[int] | None, str | None, tuple]:
+def _chat_request(body: LookupBody) -> tuple[OpenAIRequest, str | None]:
+    """The body's chat as the gateway reads a chat request (its model the tokenizer's,
+    the base model's), and the model or adapter that serves it."""
     chat: dict[str, Any] = {k: v for k, v in msgspec.to_builtins(body).items() if v is not None
                             and k not in ("token_ids", "prompt", "lora_name", "cache_salt", "candidates")}
     for m in chat["messages"]:  # (a text part's default type is left out by to_builtins)
@@ -81,7 +83,11 @@ async def _media_ids(gateway: Gateway, body: LookupBody) -> tuple[Sequence[int] 
         req = parse_request(CHAT, msgspec.json.encode(chat))
     except OpenAIError as exc:  # (what the gateway would answer 400 to)
         raise InputError(422, exc.message, exc.param or "messages") from None
-    req = dataclasses.replace(req, model=body.model)  # (the tokenizer's: the base model's)
+    return dataclasses.replace(req, model=body.model), served
+
+
+async def _media_ids(gateway: Gateway, req: OpenAIRequest, served: str | None
+                     ) -> tuple[Sequence[int] | None, str | None, tuple]:
     engines = gateway.targets(served)
     engine = next((s for s in engines if gateway.loads.of(s.name).reachable), engines[0] if engines else None)
     assert gateway.tokens is not None

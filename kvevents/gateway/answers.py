@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import httpx
 import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -44,8 +45,9 @@ def expected_cached(decision: RouteDecision, prompt_tokens: int) -> int:
     return matched
 
 
-def answer_headers(upstream: UpstreamResponse, engine: str) -> dict[str, str]:
-    """The engine's headers the client gets back, and which engine answered."""
+def answer_headers(upstream: UpstreamResponse | httpx.Response, engine: str) -> dict[str, str]:
+    """The engine's headers the client gets back, and which engine answered (of a
+    proxied answer, or of one the gateway asked for itself)."""
     out = {"x-kvevents-engine": engine}
     for name in ("content-type", "x-request-id", "cache-control"):
         if name in upstream.headers:

@@ -118,12 +118,12 @@ class Call:
     """One request's state (see the module docstring). Made by the gateway once the
     request is admitted (the slot is taken here); the handler fills its fields step by
     step: ``req`` (the parsed body), ``model``, ``ids`` / ``arr`` (the prompt's token ids,
-    None: routed by load), ``identity`` (the index's model, adapter, salt, digest, media
-    items), ``session``, ``headers`` (those forwarded), then per try ``engine``,
+    None: routed by load), ``identity`` (the index's model, adapter, salt, the three's
+    digest, media items), ``session``, ``headers`` (those forwarded), then per try ``engine``,
     ``load``, ``predicted`` and ``upstream``, and ``hop`` (a disaggregated request's
     prefill hop)."""
 
-    __slots__ = ("gw", "request", "row", "t0", "req", "model", "ids", "arr", "identity", "ident",
+    __slots__ = ("gw", "request", "row", "t0", "req", "model", "ids", "arr", "identity",
                  "session", "headers", "engine", "load", "predicted", "upstream", "hop", "_open")
 
     def __init__(self, gw: Gateway, request: Request, row: Endpoint, t0: float) -> None:
@@ -136,7 +136,6 @@ class Call:
         self.ids: Sequence[int] | None = None
         self.arr: np.ndarray | None = None
         self.identity: tuple = (None, None, None, b"", ())
-        self.ident = b""  # the identity's digest: keys the prompt in flight
         self.session: str | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.engine: str | None = None  # the engine of the try in progress (None: none)
@@ -155,7 +154,8 @@ class Call:
         route = {"engine": engine, "model": self.model, "prompt_tokens": n or None,
                  "matched_tokens": decision.matched_tokens, "reason": decision.reason,
                  "session": self.session} if announce else None
-        return Load(self.gw, engine, max(0, n - predicted), self.arr, self.ident, route)
+        # (identity[3]: its digest, which keys the prompt in flight)
+        return Load(self.gw, engine, max(0, n - predicted), self.arr, self.identity[3], route)
 
     def retry(self) -> None:
         """The try in progress failed before its first byte: its load and answer go."""

@@ -267,12 +267,17 @@ class Gateway:
             if call.ids is not None:
                 self.limits.check_ids(call.ids, field, ctx)
                 call.arr = np.asarray(call.ids, dtype=np.int64)
-        call.ident = identity_digest(lora, req.cache_salt, req.media)  # keys its prompt in flight
-        call.identity = (base if lora else model, lora, req.cache_salt, call.ident, req.media)
-        drop = _DROP_KEYED if self.api_key else _DROP  # (the gateway's key stays here)
+        call.identity = (base if lora else model, lora, req.cache_salt,
+                         identity_digest(lora, req.cache_salt, req.media), req.media)
         raw = call.request.scope["headers"]  # lowercase names (ASGI)
-        call.headers = [(k, v) for k, v in raw if k not in drop]
+        call.headers = self._forwarded(raw)
         call.session = next((v.decode("latin-1") for k, v in raw if k == b"x-session-id"), None)
+
+    def _forwarded(self, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The client's headers an engine gets (:mod:`.headers`; the gateway's own API key
+        stays here)."""
+        drop = _DROP_KEYED if self.api_key else _DROP
+        return [(k, v) for k, v in raw if k not in drop]
 
     async def _choose_and_send(self, call: Call, reachable: list[EngineSpec], pools: Pools | None) -> None:
         """Choose the engine, send the body, and send it once more to the next choice on a
@@ -446,8 +451,7 @@ class Gateway:
             assert self.client is not None
             targets = self.targets(None)
             reachable = [s for s in targets if self.loads.of(s.name).reachable]
-            drop = _DROP_KEYED if self.api_key else _DROP
-            headers = [(k, v) for k, v in request.scope["headers"] if k not in drop]
+            headers = self._forwarded(request.scope["headers"])
             path = f"/v1/responses/{quote(rid, safe='')}" + (f"/{action}" if action else "")
             return await ask_stored(self.client, self.homes, rid, request.method, path,
                                     request.scope.get("query_string", b""), headers, targets, reachable)

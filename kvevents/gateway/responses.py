@@ -43,6 +43,7 @@ import msgspec
 from starlette.responses import Response
 
 from kvevents.engines import EngineSpec
+from kvevents.gateway.answers import answer_headers
 from kvevents.gateway.errors import OpenAIError
 from kvevents.gateway.prompt import RESPONSES, OpenAIRequest, decode_chat
 from kvevents.gateway.server_ext import while_present
@@ -245,9 +246,6 @@ class ResponseHomes:
         engine = self.home(prev) if prev else None
         if engine is None:
             return reachable
-        if not any(s.name == engine for s in targets):
-            raise OpenAIError(404, f"Response with id '{prev}' not found: engine {engine}, which "
-                                   "stored it, no longer serves this model", "previous_response_id")
         return self.where(prev, engine, targets, reachable, "previous_response_id")
 
     @staticmethod
@@ -296,5 +294,4 @@ async def ask_stored(client: httpx.AsyncClient, homes: ResponseHomes, rid: str, 
         raise OpenAIError(502, "every engine asked failed before answering", headers={"Retry-After": "1"})
     if answer.status_code < 400:
         homes.remember(rid, engine)
-    kept = {k: v for k, v in answer.headers.items() if k in ("content-type", "x-request-id")}
-    return Response(answer.content, answer.status_code, headers={**kept, "x-kvevents-engine": engine})
+    return Response(answer.content, answer.status_code, headers=answer_headers(answer, engine))
