@@ -49,8 +49,9 @@ from . import queries, state
 from ._core import Core, NogilLock, WireBatch, WireSink, extra_digest
 from .counts import Counts, all_counts, fold
 from .engine_ids import EngineIds
-from .media import MediaItem, block_extras
+from .media import MediaItem, block_extras, tower_items
 from .results import (
+    best_of,
     ApplyStats,
     add_stats,
     BlockInfo,
@@ -262,7 +263,8 @@ class PrefixIndex:
         a salted lookup searches only salted sequences, an unsalted one never them.
         ``media``: the prompt's multimodal items (:func:`~kvevents.index.media.media_items`):
         the blocks they cover match only blocks stored under the same items at the same
-        places (:mod:`kvevents.index.media`).
+        places (:mod:`kvevents.index.media`); under an adapter, also as an engine with
+        ``--enable-tower-connector-lora`` keys them (a second pass over the blocks).
 
         ``token_ids``: a list of ints, or an int64 / int32 / uint32 buffer (numpy
         array, ``array('q')``); list items are converted (and checked) as matching
@@ -279,9 +281,19 @@ class PrefixIndex:
             if media and spaces:
                 n = len(token_ids)
                 extras = {bs: block_extras(media, bs, n // bs, cache_salt) for bs in {b for _, b in spaces}}
+            salt = extra_digest((cache_salt,)) if cache_salt else 0
             engines_out = self._core.lookup(
                 token_ids, spaces, self._engines.names, self._engines.rank(), EngineMatch,
-                extra_digest((cache_salt,)) if cache_salt else 0, extras) if spaces else []
+                salt, extras) if spaces else []
+            if extras is not None and lora_name:
+                # An engine with --enable-tower-connector-lora keys an adapter's items
+                # as "<lora>:<identifier>"; each engine's blocks match under one of the
+                # two forms only, so the longer run per engine is its own.
+                tower = tower_items(media, lora_name)
+                extras = {bs: block_extras(tower, bs, n // bs, cache_salt) for bs in extras}
+                engines_out = best_of(engines_out, self._core.lookup(
+                    token_ids, spaces, self._engines.names, self._engines.rank(), EngineMatch,
+                    salt, extras))
         finally:
             self.lock.release()
         block_size = engines_out[0].block_size if engines_out else (spaces[0][1] if spaces else 0)

@@ -14,7 +14,8 @@ the blocks vLLM would reuse: the same tokens under the same images at the same p
 The identifier is the item's ``mm_hash`` (the engine's processor hash of the item and its
 processor options, or the content part's ``uuid`` when no such option is set). An engine
 started with ``--enable-tower-connector-lora`` prefixes it with the LoRA name for adapter
-requests: such a prompt is looked up with its items' identifiers as the engine keys them.
+requests (:func:`tower_items`); the render endpoint answers it bare. An adapter's prompt
+is therefore looked up under both forms, each engine matching under the one it keys by.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from ._core import extra_digest
 
-__all__ = ["MediaItem", "block_extras", "media_items"]
+__all__ = ["MediaItem", "block_extras", "media_items", "tower_items"]
 
 
 class MediaItem(NamedTuple):
@@ -54,6 +55,13 @@ def media_items(items: Iterable[tuple[str, int, int]]) -> tuple[MediaItem, ...]:
             raise ValueError("placeholder ranges must not overlap")
         end = m.offset + m.length
     return tuple(out)
+
+
+def tower_items(items: Sequence[MediaItem], lora_name: str) -> tuple[MediaItem, ...]:
+    """``items`` as an engine started with ``--enable-tower-connector-lora`` keys them
+    for an adapter's request: each identifier prefixed with ``"<lora_name>:"``
+    (vLLM 0.32 ``InputProcessor._get_mm_identifier``)."""
+    return tuple(MediaItem(f"{lora_name}:{m.identifier}", m.offset, m.length) for m in items)
 
 
 def block_extras(items: Sequence[MediaItem], block_size: int, n_blocks: int,

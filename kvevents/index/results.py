@@ -36,6 +36,16 @@ class EngineMatch(msgspec.Struct, gc=False):
 PodMatch = EngineMatch
 
 
+def best_of(a: list[EngineMatch], b: list[EngineMatch]) -> list[EngineMatch]:
+    """Two lookups' answers as one: per engine the longer run, best first (tokens
+    descending, then engine name, as a lookup orders them)."""
+    best = {m.engine: m for m in a}
+    for m in b:
+        if m.engine not in best or m.tokens > best[m.engine].tokens:
+            best[m.engine] = m
+    return sorted(best.values(), key=lambda m: (-m.tokens, m.engine))
+
+
 class LookupResult(msgspec.Struct, gc=False):
     """Answer of :meth:`PrefixIndex.lookup`.
 

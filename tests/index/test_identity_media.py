@@ -159,6 +159,41 @@ def test_lookup_with_the_items_finds_exactly_vllms_blocks(fleet):
     assert found(fleet, []) == {**head, "text": whole}
 
 
+def tower_identifier(identifier: str, lora: str) -> str:
+    """The identifier a vLLM engine started with ``--enable-tower-connector-lora`` gives
+    an adapter request's item (its own ``InputProcessor._get_mm_identifier``)."""
+    from types import SimpleNamespace
+
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    engine = SimpleNamespace(lora_config=LoRAConfig(enable_tower_connector_lora=True))
+    return InputProcessor._get_mm_identifier(engine, identifier, LoRARequest(lora, 1, "/adapters/" + lora))
+
+
+def test_an_adapters_items_match_on_tower_connector_engines_and_plain_ones():
+    """The render answers an item's bare hash; an engine with tower-connector LoRA keys
+    an adapter's item as ``sql:<hash>``. A lookup under the adapter with the bare items
+    finds each engine's whole run, whichever form it keys by, and nothing under another
+    adapter or without one."""
+    _vllm()
+    tower = [(tower_identifier(i, "sql"), o, n) for i, o, n in ITEMS]
+    assert tower[0][0] != ITEMS[0][0]
+    idx = PrefixIndex()
+    feed(idx, "plain", vllm_payloads(PROMPT, ITEMS, lora="sql"))
+    feed(idx, "tower", vllm_payloads(PROMPT, tower, lora="sql", split=2))
+    feed(idx, "tower2", vllm_payloads(PROMPT, [tower[0], (tower_identifier("img-x", "sql"), 16, 5)], lora="sql"))
+    feed(idx, "sql2", vllm_payloads(PROMPT, [(tower_identifier(i, "sql2"), o, n) for i, o, n in ITEMS], lora="sql2"))
+    whole = len(PROMPT) // BS * BS
+    assert found(idx, ITEMS, lora_name="sql") == {"plain": whole, "tower": whole, "tower2": 16}
+    assert found(idx, ITEMS, lora_name="sql2") == {"sql2": whole}
+    assert found(idx, ITEMS) == {}
+    # the lookup's order: tokens descending, then the engine's name
+    assert [m.engine for m in idx.lookup(PROMPT, media=media_items(ITEMS), lora_name="sql").engines] == \
+        ["plain", "tower", "tower2"]
+
+
 def test_items_are_checked():
     assert media_items([("b", 9, 2), ("a", 1, 3)]) == (("a", 1, 3), ("b", 9, 2))
     for bad in ([("", 0, 1)], [("a", -1, 2)], [("a", 0, 0)], [("a", 0, 4), ("b", 3, 2)]):
