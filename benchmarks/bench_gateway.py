@@ -92,6 +92,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,7 +101,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import httpx  # noqa: E402
 
 from chat_workloads import (ChatRequest, build_agent_workload, build_tenant_workload,  # noqa: E402
-                            build_workload, endless_cache_hits)
+                            build_workload, endless_cache_hits, identity_collisions)
 from common import machine, median, percentile, print_table, main_in_loopback_netns, write_json  # noqa: E402
 
 from kvevents.demo import chat_templates  # noqa: E402
@@ -129,6 +130,23 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     failed: str | None = None
+    sent: int = -1  # the request's place in the order of sending
+    engine: str | None = None  # where it ran, as located (see locator)
+
+
+def locator(ours_url: str) -> Callable[[ChatRequest], Awaitable[str | None]]:
+    """Where a finished request ran, whichever router sent it: the engine that holds
+    the most of its prompt under its own identity, asked of ours' index (which follows
+    every engine's KV events in every run). None when no engine, or two, hold the most
+    (an identical prompt on both)."""
+    async def locate(req: ChatRequest) -> str | None:
+        body = {"model": MODEL, "messages": req.messages, "lora_name": req.model, "cache_salt": req.cache_salt,
+                **({"tools": req.tools} if req.tools else {})}
+        async with httpx.AsyncClient(timeout=30) as c:
+            got = (await c.post(ours_url + "/v1/lookup", json=body)).json().get("engines") or []
+        best = [e["engine"] for e in got if e["matched_tokens"] == got[0]["matched_tokens"]]
+        return best[0] if len(best) == 1 else None
+    return locate
 
 
 async def _one(client, req: ChatRequest) -> Outcome:
@@ -166,10 +184,12 @@ async def _one(client, req: ChatRequest) -> Outcome:
 
 
 async def run_workload(base_url: str | list[str], reqs: list[ChatRequest], concurrency: int,
-                       timeout: float) -> list[Outcome]:
+                       timeout: float, locate: Callable[[ChatRequest], Awaitable[str | None]] | None = None,
+                       ) -> list[Outcome]:
     """Every request, ``concurrency`` at a time, in order, a session's turns one after the
     other (a turn waits for the previous one to end). Several base URLs: request i goes
-    to URL i mod n (replicas behind one address, alternating)."""
+    to URL i mod n (replicas behind one address, alternating). ``locate``: asked where
+    each request ran once it has finished (:func:`locator`)."""
     from openai import AsyncOpenAI
 
     urls = [base_url] if isinstance(base_url, str) else base_url
@@ -190,9 +210,13 @@ async def run_workload(base_url: str | list[str], reqs: list[ChatRequest], concu
                     if req is not None:
                         pending.remove(req)
                         busy.add(req.session)
+                        sent = len(reqs) - len(pending) - 1
                         break
                     await changed.wait()
-            outcomes[req.index] = await _one(clients[req.index % len(clients)], req)
+            out = outcomes[req.index] = await _one(clients[req.index % len(clients)], req)
+            out.sent = sent
+            if locate is not None and out.failed is None:
+                out.engine = await locate(req)
             async with changed:
                 busy.discard(req.session)
                 changed.notify_all()
@@ -537,7 +561,12 @@ def one_run(router: str, rnd: int, fleet, events, ours: list[Ours], reqs: list[C
             client = run_vllm_bench(base[0] if isinstance(base, list) else base, a, workdir, f"{router}-r{rnd}")
             outcomes = []
         else:
-            outcomes = asyncio.run(run_workload(base, reqs, a.concurrency, a.request_timeout))
+            locate = locator(ours[0].url) if ours and a.workload == "tenants" else None
+            outcomes = asyncio.run(run_workload(base, reqs, a.concurrency, a.request_timeout, locate))
+            if locate is not None:
+                served = sorted((o.sent, i, o.engine) for i, o in enumerate(outcomes) if o.engine)
+                row["identity_collisions"] = identity_collisions(reqs, [(i, e) for _, i, e in served],
+                                                                 Path(a.model_dir))
         row["wall_s"] = time.perf_counter() - t0
         for u in urls:
             wait_until(lambda u=u: engine_busy(u) == 0, 60, what=f"engine {u} to finish")
@@ -642,6 +671,10 @@ def summarize(rows: list[dict], routers: list[str]) -> list[dict]:
             "max_min_requests": median(spread),
             "added_p50_ms": median([r["latency"].get("added_p50_ms", float("nan")) for r in good]),
             "added_p99_ms": median([r["latency"].get("added_p99_ms", float("nan")) for r in good]),
+            **({"collision_tokens": median([r["identity_collisions"]["tokens"] for r in good]),
+                "collision_requests": median([r["identity_collisions"]["requests"] for r in good]),
+                "located": median([r["identity_collisions"]["located"] for r in good])}
+               if all("identity_collisions" in r for r in good) else {}),
         })
     return out
 
@@ -730,6 +763,13 @@ def inner(a) -> int:
                     f"{s['hit_tokens']:,.0f}", f"{s['hit_pct']:.1f}%", _ms(s["ttft_p50_s"]),
                     _ms(s["ttft_p90_s"]), _ms(s["e2e_p50_s"]), f"{s['max_min_requests']:.2f}",
                     f"{s['added_p50_ms']:+.2f}", f"{s['added_p99_ms']:+.2f}"])] for s in summary])
+    if any("collision_tokens" in s for s in summary):
+        print()
+        print("identity collisions (medians): prompt tokens a text-only tree matches on the engine each "
+              "request ran on, cached there under another adapter or salt (vLLM reuses none of them):")
+        print_table(["router", "tokens", "requests with any", "requests located"],
+                    [[s["router"], f"{s['collision_tokens']:,.0f}", f"{s['collision_requests']:.0f}",
+                      f"{s['located']:.0f}"] for s in summary if "collision_tokens" in s])
     bad = [r for r in rows if "error" in r or r.get("invalid")]
     for r in bad:
         print(f"\nround {r['round']} {r['router']}: {r.get('error') or r.get('invalid')}")

@@ -79,8 +79,12 @@ class _Counter:
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
 
     def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        return len(self.ids(messages, tools))
+
+    def ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The chat's prompt ids, as vLLM renders and tokenizes a chat."""
         text = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])  # as vLLM renders chat
+        return self.tok(text, add_special_tokens=False)["input_ids"]
 
 
 def _interleave(n: int, rng: random.Random, new_session: Callable[[int], dict],
@@ -219,28 +223,70 @@ def build_agent_workload(n: int, model_dir: Path, seed: int = 0,
     return _interleave(n, rng, new_session, turn)
 
 
+def _block_keys(root: bytes, ids: list[int], block: int) -> list[bytes]:
+    """The chained keys of the whole blocks of ``ids`` (a block's key covers its parents)."""
+    import hashlib
+
+    keys, key = [], root
+    for b in range(len(ids) // block):
+        key = hashlib.blake2b(key + repr(ids[b * block:(b + 1) * block]).encode(), digest_size=16).digest()
+        keys.append(key)
+    return keys
+
+
+def _run(keys: list[bytes], seen: set[bytes], n_ids: int, block: int) -> int:
+    """Leading blocks of ``keys`` in ``seen``, less a fully cached prompt's last one
+    (vLLM computes it again)."""
+    n = 0
+    while n < len(keys) and keys[n] in seen:
+        n += 1
+    return n - 1 if n and n * block == n_ids else n
+
+
 def endless_cache_hits(reqs: list[ChatRequest], model_dir: Path, block: int = 32) -> int:
     """The hit tokens of one engine whose cache never evicts, serving ``reqs`` in order:
     every whole block of a request's prefix that an earlier request of the same cache
     identity (adapter, salt) already computed (vLLM computes a fully cached prompt's
     last block again). No router on any fleet gets more."""
-    import hashlib
-
     count = _Counter(model_dir)
     seen: set[bytes] = set()
     hits = 0
     for r in reqs:
-        text = count.tok.apply_chat_template(r.messages, tools=r.tools, add_generation_prompt=True, tokenize=False)
-        ids = count.tok(text, add_special_tokens=False)["input_ids"]
-        key, run, blocks = repr((r.model, r.cache_salt)).encode(), True, len(ids) // block
-        for b in range(blocks):
-            key = hashlib.blake2b(key + repr(ids[b * block:(b + 1) * block]).encode(), digest_size=16).digest()
-            if run and key in seen and not (b == blocks - 1 and blocks * block == len(ids)):
-                hits += block
-            else:
-                run = False
-            seen.add(key)
+        ids = count.ids(r.messages, r.tools)
+        keys = _block_keys(repr((r.model, r.cache_salt)).encode(), ids, block)
+        hits += _run(keys, seen, len(ids), block) * block
+        seen.update(keys)
     return hits
+
+
+def identity_collisions(reqs: list[ChatRequest], served: list[tuple[int, str]], model_dir: Path,
+                        block: int = 32) -> dict:
+    """What a router whose tree holds text alone counts as cached that vLLM does not reuse.
+
+    ``served``: (request index, engine it ran on), in the order the requests were sent.
+    Per request, on its engine: the leading whole blocks that an earlier request sent
+    there holds as *text* (any adapter, any salt), less those held under the request's
+    own identity. vLLM reuses none of that difference: another adapter's or tenant's
+    blocks. Counted before any eviction (each engine's history whole), so it is the
+    collisions a text tree sees, not its eviction misses. Returns the tokens, and the
+    requests with any."""
+    count = _Counter(model_dir)
+    text: dict[str, set[bytes]] = {}
+    own: dict[str, set[bytes]] = {}
+    tokens = requests = 0
+    for i, engine in served:
+        r = reqs[i]
+        ids = count.ids(r.messages, r.tools)
+        tkeys = _block_keys(b"", ids, block)
+        okeys = _block_keys(repr((r.model, r.cache_salt)).encode(), ids, block)
+        t, o = text.setdefault(engine, set()), own.setdefault(engine, set())
+        extra = _run(tkeys, t, len(ids), block) - _run(okeys, o, len(ids), block)
+        if extra > 0:
+            tokens += extra * block
+            requests += 1
+        t.update(tkeys)
+        o.update(okeys)
+    return {"tokens": tokens, "requests": requests, "located": len(served)}
 
 
 def build_tenant_workload(n: int, model_dir: Path, seed: int = 0, adapters: tuple[str, ...] = ("sql", "chat", "code"),
