@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 pytest.importorskip("transformers")
 
 from chat_workloads import (AGENT_MAX_PROMPT, TOOL_SET_TOKENS, _Counter, build_agent_workload,  # noqa: E402
-                            build_tenant_workload, build_workload, endless_cache_hits)
+                            build_tenant_workload, build_workload, endless_cache_hits,
+                            identity_collisions)
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +63,21 @@ def test_the_endless_cache_bound_never_shares_blocks_across_identities(model_dir
     one = [r for r in tenants if (r.model, r.cache_salt) == (tenants[0].model, tenants[0].cache_salt)]
     assert endless_cache_hits(one, base) == endless_cache_hits(
         [r for r in plain if r.session in {x.session for x in one}], base)
+
+
+def test_identity_collisions_are_the_text_matched_under_another_identity(model_dirs):
+    """On one engine, a text tree's collisions are exactly what the text-only bound
+    counts beyond the identity bound; none without identities; and split over two
+    engines, only the text sent to the same engine counts."""
+    base, _ = model_dirs
+    plain = build_workload(40, base, seed=1)
+    tenants = build_tenant_workload(40, base, seed=1)
+    one_engine = [(i, "e0") for i in range(len(tenants))]
+    got = identity_collisions(tenants, one_engine, base)
+    assert got["tokens"] == endless_cache_hits(plain, base) - endless_cache_hits(tenants, base) > 0
+    assert got["located"] == len(tenants) and 0 < got["requests"] < len(tenants)
+    assert identity_collisions(plain, one_engine, base)["tokens"] == 0
+    # each identity on an engine of its own: no other identity's text to match
+    ident = sorted({(r.model, r.cache_salt) for r in tenants}, key=repr)
+    apart = [(i, f"e{ident.index((r.model, r.cache_salt))}") for i, r in enumerate(tenants)]
+    assert identity_collisions(tenants, apart, base)["tokens"] == 0
