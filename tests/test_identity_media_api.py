@@ -6,8 +6,8 @@ items, its block hasher, ``generate_block_hash_extra_keys`` / ``to_event_extra_k
 its ``BlockStored`` and its ``ZmqEventPublisher``. Their OpenAI side is the fake engine
 (``tests/hostile_engine.py``) answering ``/v1/chat/completions/render`` in vLLM's shape
 (token ids, ``mm_hashes``, ``mm_placeholders``): what a real engine's render would say
-is what its events say, by construction here (a real engine: see the report in
-docs/identity.md).
+is what its events say, by construction here (a real engine's render and events:
+tests/test_vllm_media_engine.py).
 """
 
 from __future__ import annotations

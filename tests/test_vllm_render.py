@@ -4,11 +4,10 @@ model, ``--enable-scale-out``): the body the gateway sends
 ``mm_payload: "none"``, not streamed) is accepted, and the answer's ids are the engine's
 own (its ``/tokenize``); a server without the endpoint is remembered as such.
 
-An image model is not served here: vLLM 0.32's vision models need ``torchvision`` at
-start (``get_vision_encoder_info`` imports Pixtral's image processor), which the CPU
-torch build of the tests does not have (docs/identity.md). Image identity is checked
-against vLLM's own hashing and event code in tests/index/test_identity_media.py and
-tests/test_identity_media_api.py.
+An image model is served in tests/test_vllm_media_engine.py (a tiny Idefics3: its
+render's ``mm_hashes`` and placeholders, and the engine's own events, matched past the
+image); image identity is also checked against vLLM's own hashing and event code in
+tests/index/test_identity_media.py and tests/test_identity_media_api.py.
 
 Where vLLM is not installed these tests skip; under ``CI=true`` a missing vLLM fails.
 """

@@ -20,6 +20,10 @@ by ``transformers`` as a Hugging Face tokenizer directory (``tokenizer.json``,
 ``tokenizer_config.json`` with a ChatML-like ``chat_template``). Training is
 deterministic: the same files every time. An existing ``tokenizer_config.json`` is
 taken as a finished tokenizer (it is written last) and left alone.
+
+``make_tiny_vlm(dir)`` writes a vision-language model the same way: a tiny random
+Idefics3 (these Llama weights as its text model, a one-layer vision tower) with its
+processor and this tokenizer plus the image tokens, for real-engine image tests.
 """
 
 from __future__ import annotations
@@ -183,8 +187,10 @@ def _corpus() -> list[str]:
     return [_TEXT, *lines, " ".join(str(n) for n in range(0, 1000, 7))] * 4
 
 
-def make_tiny_tokenizer(path: str | Path) -> Path:
-    """Write the tiny model's tokenizer into ``path`` (see the module docstring)."""
+def make_tiny_tokenizer(path: str | Path, extra_specials: tuple[str, ...] = (),
+                        chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Write the tiny model's tokenizer into ``path`` (see the module docstring);
+    ``extra_specials``: more special tokens, after the five (still :data:`VOCAB` ids)."""
     import shutil
     import tempfile
 
@@ -198,7 +204,8 @@ def make_tiny_tokenizer(path: str | Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+    specials = [*SPECIALS, *extra_specials]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer=trainer)
     if tok.get_vocab_size() != VOCAB:
@@ -206,16 +213,96 @@ def make_tiny_tokenizer(path: str | Path) -> Path:
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", SPECIALS.index("<s>"))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", additional_special_tokens=SPECIALS[3:])
+                                   unk_token="<unk>", additional_special_tokens=specials[3:])
     with tempfile.TemporaryDirectory(dir=path) as tmp:
         fast.save_pretrained(tmp)
         (Path(tmp) / "chat_template.jinja").unlink(missing_ok=True)  # the template goes in the config
         config_path = Path(tmp) / "tokenizer_config.json"
         config = json.loads(config_path.read_text())
-        config["chat_template"] = CHAT_TEMPLATE
+        config["chat_template"] = chat_template
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer_config.json"):
             shutil.move(str(f), path / f.name)  # tokenizer_config.json last: it marks a finished one
+    return path
+
+
+# The tiny vision-language model: Idefics3 (SmolVLM's architecture). Its image processor
+# has a PIL backend, so vLLM 0.32 serves it without torchvision, which its LLaVA-style and
+# Qwen2-VL models need at start. One 32x32 tile per image (no splitting), 8x8 patches,
+# pixel shuffle by 2: an image is 4 <image> tokens, 7 with its markers.
+VLM_SPECIALS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
+VLM_TEMPLATE = CHAT_TEMPLATE.replace(  # an image part is its <image> token, where it sits
+    "{{ part['text'] }}{% endif %}", "{{ part['text'] }}{% elif part['type'] in ['image', 'image_url'] %}"
+    "<image>{% endif %}")
+VISION, IMAGE_SIZE, PATCH, SCALE = (64, 128, 1), 32, 8, 2  # (hidden, intermediate, layers), pixels
+
+
+def _vision_tensors(seed: int) -> dict[str, np.ndarray]:
+    """The vision tower (SigLIP-like) and the connector, initialised as :func:`_tensors`."""
+    rng = np.random.default_rng(seed)
+    hid, inter, layers = VISION
+    ones, zeros = (lambda n: np.ones(n, np.float32)), (lambda n: np.zeros(n, np.float32))
+
+    def normal(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, INIT_STD, size=shape).astype(np.float32)
+
+    v = "model.vision_model."
+    out = {v + "embeddings.patch_embedding.weight": normal(hid, 3, PATCH, PATCH),
+           v + "embeddings.patch_embedding.bias": zeros(hid),
+           v + "embeddings.position_embedding.weight": normal((IMAGE_SIZE // PATCH) ** 2, hid)}
+    for i in range(layers):
+        p = f"{v}encoder.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            out[f"{p}self_attn.{name}.weight"], out[f"{p}self_attn.{name}.bias"] = normal(hid, hid), zeros(hid)
+        out[p + "mlp.fc1.weight"], out[p + "mlp.fc1.bias"] = normal(inter, hid), zeros(inter)
+        out[p + "mlp.fc2.weight"], out[p + "mlp.fc2.bias"] = normal(hid, inter), zeros(hid)
+        for norm in ("layer_norm1", "layer_norm2"):
+            out[f"{p}{norm}.weight"], out[f"{p}{norm}.bias"] = ones(hid), zeros(hid)
+    out[v + "post_layernorm.weight"], out[v + "post_layernorm.bias"] = ones(hid), zeros(hid)
+    out["model.connector.modality_projection.proj.weight"] = normal(HIDDEN, hid * SCALE ** 2)
+    return out
+
+
+def make_tiny_vlm(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random Idefics3 model in ``path`` (made if missing), for ``vllm serve``:
+    the tiny Llama (:func:`make_tiny_model`'s weights for ``seed``) as its text model, a
+    one-layer vision tower, and its processor (``processor_config.json``: Idefics3's
+    image processor, no image splitting) with the tiny tokenizer trained with
+    :data:`VLM_SPECIALS` and :data:`VLM_TEMPLATE`. No torch: weights by numpy, as
+    :func:`make_tiny_model`. Deterministic; ``config.json`` (written last) marks it done."""
+    import tempfile
+
+    from transformers import Idefics3Config, Idefics3Processor, Idefics3VisionConfig, LlamaConfig
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        tok = PreTrainedTokenizerFast.from_pretrained(make_tiny_tokenizer(tmp, VLM_SPECIALS, VLM_TEMPLATE))
+    edge = {"longest_edge": IMAGE_SIZE}
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge)
+    Idefics3Processor(images, tok, image_seq_len=(IMAGE_SIZE // PATCH) ** 2 // SCALE ** 2,
+                      chat_template=VLM_TEMPLATE).save_pretrained(path)
+    text = {("model.text_model." + k[len("model."):] if k.startswith("model.") else k): t
+            for k, t in _tensors(seed).items()}
+    _write_safetensors(path / "model.safetensors", {**text, **_vision_tensors(seed + 1)})
+    cfg = Idefics3Config(
+        text_config=LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                max_position_embeddings=4096, initializer_range=INIT_STD,
+                                tie_word_embeddings=False).to_dict(),
+        vision_config=Idefics3VisionConfig(hidden_size=VISION[0], intermediate_size=VISION[1],
+                                           num_hidden_layers=VISION[2], num_attention_heads=2,
+                                           image_size=IMAGE_SIZE, patch_size=PATCH).to_dict(),
+        scale_factor=SCALE, image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=0,
+        tie_word_embeddings=False)
+    cfg.architectures = ["Idefics3ForConditionalGeneration"]
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(path)  # config.json last: its presence marks a finished model
     return path
 
 
