@@ -308,6 +308,21 @@ def require_vllm() -> None:
         pytest.skip(VLLM_HOW, allow_module_level=True)
 
 
+def wait_serving(gw: str, serve: subprocess.Popen, log, timeout: float = 60.0) -> None:
+    """Until ``kvevents serve`` at ``gw`` answers ``/healthz`` with 200; fails with the
+    log's tail (the file ``log``) if ``serve`` exits or ``timeout`` passes first."""
+    import httpx
+
+    def serving() -> bool:
+        assert serve.poll() is None, log.read_text()[-3000:]
+        try:
+            return httpx.get(gw + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert wait_until(serving, timeout=timeout, interval=0.2), log.read_text()[-3000:]
+
+
 def wait_gateway_engines(gw: str, n: int, serve: subprocess.Popen, log, timeout: float = 60.0,
                          connected: bool = True) -> None:
     """Until ``kvevents serve`` at ``gw`` (process ``serve``, its output in the file

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from support import free_port, require_vllm, stop_process, wait_until
+from support import free_port, require_vllm, stop_process, wait_gateway_engines, wait_serving, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 require_vllm()
@@ -66,23 +66,11 @@ def stack(tmp_path_factory):
                       num_gpu_blocks=160, max_model_len=4096, extra_args=lora_args).start()  # both start while serve does
     gw = f"http://127.0.0.1:{port}"
     try:
-        def serving() -> bool:
-            assert serve.poll() is None, serve_log.read_text()[-3000:]
-            try:
-                return httpx.get(gw + "/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(serving, timeout=60, interval=0.2), serve_log.read_text()[-3000:]
+        wait_serving(gw, serve, serve_log)
         t0 = time.monotonic()
         fleet.wait_ready(STARTUP)
         print(f"\nengines ready in {time.monotonic() - t0:.0f} s after kvevents serve")
-
-        def all_up() -> bool:
-            engines = httpx.get(gw + "/v1/engines", timeout=5).json()["engines"]
-            return len(engines) == 2 and all(e["gateway"]["reachable"] and e["connected"] for e in engines)
-
-        assert wait_until(all_up, timeout=30, interval=0.2), httpx.get(gw + "/v1/engines").text
+        wait_gateway_engines(gw, 2, serve, serve_log, timeout=30)
         yield {"gw": gw, "fleet": fleet, "by_name": dict(zip(NAMES, fleet.servers)), "model": model,
                "log": serve_log}
     finally:

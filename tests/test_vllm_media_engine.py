@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from support import free_port, require_vllm, stop_process, wait_until
+from support import free_port, require_vllm, stop_process, wait_gateway_engines, wait_serving, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 require_vllm()
@@ -85,23 +85,11 @@ def stack(tmp_path_factory):
                         log=tmp / "vllm.log", extra_args=["--enable-scale-out"]).start()
     gw = f"http://127.0.0.1:{port}"
     try:
-        def serving() -> bool:
-            assert serve.poll() is None, serve_log.read_text()[-3000:]
-            try:
-                return httpx.get(gw + "/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(serving, timeout=60, interval=0.2), serve_log.read_text()[-3000:]
+        wait_serving(gw, serve, serve_log)
         t0 = time.monotonic()
         engine.wait_ready(STARTUP)
         print(f"\nengine ready in {time.monotonic() - t0:.0f} s")
-
-        def up() -> bool:
-            engines = httpx.get(gw + "/v1/engines", timeout=5).json()["engines"]
-            return len(engines) == 1 and engines[0]["gateway"]["reachable"] and engines[0]["connected"]
-
-        assert wait_until(up, timeout=30, interval=0.2), httpx.get(gw + "/v1/engines").text
+        wait_gateway_engines(gw, 1, serve, serve_log, timeout=30)
         yield {"gw": gw, "engine": engine}
     finally:
         engine.stop()
