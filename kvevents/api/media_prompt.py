@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -89,7 +89,7 @@ def _chat_request(body: LookupBody) -> tuple[OpenAIRequest, str | None]:
 async def _media_ids(gateway: Gateway, req: OpenAIRequest, served: str | None
                      ) -> tuple[Sequence[int] | None, str | None, tuple]:
     engines = gateway.targets(served)
-    engine = next((s for s in engines if gateway.loads.of(s.name).reachable), engines[0] if engines else None)
+    engine = next(iter(gateway.reachable(engines) or engines), None)
     assert gateway.tokens is not None
     try:
         return await gateway.tokens.identity(req, engine.http if engine else None, engine.name if engine else "")

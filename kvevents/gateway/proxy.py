@@ -176,6 +176,10 @@ class Gateway:
         adapters = [s for s in specs if self.catalog.parent_of(s.name, model) is not None]
         return adapters or [s for s in specs if s.model is None or s.model == model]
 
+    def reachable(self, specs: list[EngineSpec]) -> list[EngineSpec]:
+        """Those of ``specs`` whose OpenAI server answered its last poll (:mod:`.load`)."""
+        return [s for s in specs if self.loads.of(s.name).reachable]
+
     def served_models(self) -> list[str]:
         return sorted({s.model for s in self.aggregator.engine_specs() if s.http and s.model}
                       | set(self.catalog.adapters()))
@@ -239,7 +243,7 @@ class Gateway:
             raise OpenAIError(404, f"no engine serves model {model!r} (served: "
                                    f"{', '.join(self.served_models()) or 'none'})", "model",
                               code="model_not_found")
-        reachable = [s for s in targets if self.loads.of(s.name).reachable]
+        reachable = self.reachable(targets)
         pools = self.pd.pools(targets, reachable, req.kind)  # (None: not disaggregated)
         reachable = reachable if pools is None else pools.decode
         if not reachable:
@@ -450,7 +454,7 @@ class Gateway:
             self.check_key(request)
             assert self.client is not None
             targets = self.targets(None)
-            reachable = [s for s in targets if self.loads.of(s.name).reachable]
+            reachable = self.reachable(targets)
             headers = self._forwarded(request.scope["headers"])
             path = f"/v1/responses/{quote(rid, safe='')}" + (f"/{action}" if action else "")
             return await ask_stored(self.client, self.homes, rid, request.method, path,
@@ -467,7 +471,7 @@ class Gateway:
         except OpenAIError as exc:
             return exc.response()
         assert self.client is not None
-        specs = [s for s in self.targets(None) if self.loads.of(s.name).reachable]
+        specs = self.reachable(self.targets(None))
         data = await self.catalog.listing(self.client, [s.http for s in specs], self.served_models(),
                                           int(self.aggregator.started_at))
         return Response(json.dumps({"object": "list", "data": data}), media_type="application/json")
